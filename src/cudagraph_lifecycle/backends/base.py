@@ -1,0 +1,133 @@
+"""What the runner, the pool and the checks need from an allocator backend.
+
+Two implementations stand behind this interface: ``cuda`` (real ``torch.cuda``) and ``sim`` (the caching
+allocator's private-pool rules on the CPU). Code above this layer never asks which one it runs on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+PoolId = tuple[int, int]
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class PoolState:
+    """The allocator's books for one private pool on one device.
+
+    ``exists`` is False once the allocator erased the pool (its id may then be created afresh).
+    ``use_count`` is None where the backend cannot read it. A pool whose graphs were all released
+    (use_count 0) but that still holds a segment is *dead*: capturing into it again trips the allocator's
+    ``use_count > 0`` assert.
+    """
+
+    pool_id: PoolId
+    device: int
+    exists: bool
+    use_count: int | None
+    reserved_bytes: int
+    allocated_bytes: int
+    segments: int
+
+    @property
+    def dead(self) -> bool:
+        return self.exists and self.use_count == 0
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["pool_id"] = list(self.pool_id)
+        return d
+
+
+class Backend(ABC):
+    """One allocator world: devices, pool ids, graphs, streams and the books of every private pool."""
+
+    name: str = "base"
+    # Backends that share one allocator share a world: every cuda backend is the process's CUDA allocator.
+    world: object = "base"
+
+    # devices
+    @abstractmethod
+    def is_available(self) -> bool: ...
+
+    @abstractmethod
+    def device_count(self) -> int: ...
+
+    @abstractmethod
+    def torch_device(self, index: int) -> torch.device: ...
+
+    @abstractmethod
+    def current_device(self) -> int: ...
+
+    def check_device(self, index: int) -> int:
+        n = self.device_count()
+        if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < n:
+            from ..errors import ConfigError
+
+            raise ConfigError(
+                f"device index {index!r} is not valid on backend {self.name!r}, which has {n} device(s): "
+                f"pass an int in 0..{n - 1}"
+            )
+        return index
+
+    # pools
+    @abstractmethod
+    def graph_pool_handle(self) -> PoolId:
+        """A new pool id; the pool itself is created by the first capture into it."""
+
+    @abstractmethod
+    def has_mempool(self) -> bool: ...
+
+    @abstractmethod
+    def mempool(self, device: int) -> Any:
+        """A pool object that holds a reference of its own (``torch.cuda.MemPool`` semantics)."""
+
+    # graphs and streams
+    @abstractmethod
+    def new_graph(self) -> Any: ...
+
+    @abstractmethod
+    def new_stream(self, device: int) -> Any: ...
+
+    @abstractmethod
+    def stream(self, stream: Any) -> contextlib.AbstractContextManager: ...
+
+    @abstractmethod
+    def graph(self, graph: Any, pool: PoolId | None = None, stream: Any = None) -> contextlib.AbstractContextManager:
+        """``torch.cuda.graph`` semantics: synchronize, empty_cache, then capture on ``stream``."""
+
+    @abstractmethod
+    def synchronize(self, device: int | None = None) -> None: ...
+
+    @abstractmethod
+    def empty_cache(self) -> None: ...
+
+    # books
+    @abstractmethod
+    def pool_state(self, pool_id: PoolId, device: int = 0) -> PoolState: ...
+
+    @abstractmethod
+    def pool_ids(self, device: int = 0) -> list[PoolId]:
+        """Ids of the private pools that hold at least one segment on ``device``."""
+
+    @abstractmethod
+    def memory_reserved(self, device: int = 0) -> int: ...
+
+    @abstractmethod
+    def memory_allocated(self, device: int = 0) -> int: ...
+
+    # tensors on the backend's devices (probes and buffers)
+    @abstractmethod
+    def randn(self, *shape: int, device: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor: ...
+
+    @abstractmethod
+    def empty(self, *shape: int, device: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor: ...
+
+    def describe(self) -> dict[str, Any]:
+        return {"backend": self.name, "torch": torch.__version__, "devices": self.device_count()}

@@ -1,0 +1,526 @@
+"""The caching allocator's private-pool rules, simulated on the CPU.
+
+The rules (c10/cuda/CUDACachingAllocator.cpp; DESIGN.md §1), nothing looser:
+
+* capture into pool P: if P does not exist it is created with use_count 1; if it exists, ``use_count > 0``
+  is asserted (the assert poisons the process), then use_count += 1;
+* graph reset or destruction: use_count -= 1; at 0 the pool becomes *freeable*;
+* ``empty_cache`` releases the fully free segments of freeable pools and erases a pool once it holds no
+  segment; a live block pins its whole segment, and so its pool;
+* a MemPool holds one reference of its own, so its pool never reaches 0 while the object lives.
+
+What a capture allocated is observed, not assumed: a ``TorchDispatchMode`` active during the capture sees
+every tensor the forward creates; a storage born inside the capture is a block of the pool, and a weak
+reference to it tells when the block dies (an output the caller keeps, a clone whose autograd history keeps
+saved activations). Blocks are placed in segments with the allocator's size classes, so "bytes of pool P"
+means what it means on CUDA. Replay re-runs the recorded ops into the captured tensors, so outputs equal
+eager. Each ``SimBackend`` is its own allocator world: a poisoned one does not poison the Python process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+import traceback
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from .base import MiB, Backend, PoolId, PoolState
+
+# Size classes of the caching allocator.
+MIN_BLOCK = 512
+SMALL_SIZE = 1 * MiB  # blocks up to this size live in small segments
+SMALL_SEGMENT = 2 * MiB
+LARGE_SEGMENT = 20 * MiB  # segment for a large block under MIN_LARGE_ALLOC
+MIN_LARGE_ALLOC = 10 * MiB
+ROUND_LARGE = 2 * MiB
+
+ASSERT_MESSAGE = (
+    'it->second->use_count > 0 INTERNAL ASSERT FAILED at "c10/cuda/CUDACachingAllocator.cpp" '
+    "(simulated by cudagraph_lifecycle.sim), please report a bug to PyTorch."
+)
+POISON_MESSAGE = "Offset increment outside graph capture encountered unexpectedly."
+CAPTURE_SYNC_MESSAGE = "CUDA error: operation not permitted when stream is capturing (simulated)"
+CAPTURE_INVALIDATED_MESSAGE = (
+    "CUDA error: operation failed due to a previous error during capture (simulated)"
+)
+DEFAULT_STREAM_MESSAGE = (
+    "CUDA graphs must be captured on a non-default stream. "
+    "(However, after capture, it's ok to replay them on the default stream.)"
+)
+REPLAY_MESSAGE = "Called CUDAGraph::replay without a preceding successful capture."
+
+# Ops that need the host to wait for the device: illegal while a stream is capturing.
+_HOST_SYNC_OPS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default}
+
+
+def round_size(nbytes: int) -> int:
+    return max(MIN_BLOCK, -(-nbytes // MIN_BLOCK) * MIN_BLOCK)
+
+
+def segment_size(nbytes: int) -> int:
+    if nbytes <= SMALL_SIZE:
+        return SMALL_SEGMENT
+    if nbytes < MIN_LARGE_ALLOC:
+        return LARGE_SEGMENT
+    return -(-nbytes // ROUND_LARGE) * ROUND_LARGE
+
+
+@dataclass(eq=False)
+class _Block:
+    offset: int
+    size: int
+    ref: StorageWeakRef
+    key: int
+    stack: list[str] | None = None
+
+    def alive(self) -> bool:
+        return not self.ref.expired()
+
+
+@dataclass(eq=False)
+class _Segment:
+    size: int
+    small: bool
+    blocks: list[_Block] = field(default_factory=list)
+
+    def allocated(self) -> int:
+        return sum(b.size for b in self.blocks)
+
+    def best_gap(self, size: int) -> int | None:
+        """Offset of the smallest free gap that fits ``size``, or None."""
+        best: tuple[int, int] | None = None
+        cursor = 0
+        for b in sorted(self.blocks, key=lambda b: b.offset) + [None]:
+            end = self.size if b is None else b.offset
+            gap = end - cursor
+            if gap >= size and (best is None or gap < best[0]):
+                best = (gap, cursor)
+            if b is not None:
+                cursor = b.offset + b.size
+        return None if best is None else best[1]
+
+
+@dataclass(eq=False)
+class _Pool:
+    pool_id: PoolId
+    device: int
+    use_count: int = 1
+    segments: list[_Segment] = field(default_factory=list)
+
+    def reserved(self) -> int:
+        return sum(s.size for s in self.segments)
+
+    def allocated(self) -> int:
+        return sum(s.allocated() for s in self.segments)
+
+
+class SimStream:
+    """A stream on a simulated device. Only its identity matters: captures need a non-default one."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, device: int, default: bool = False):
+        self.device = device
+        self.default = default
+        self.id = 0 if default else next(self._ids)
+
+    def __repr__(self) -> str:
+        return f"SimStream(device={self.device}, id={self.id})"
+
+
+class SimMemPool:
+    """``torch.cuda.MemPool`` on the simulated allocator: the object holds one reference to its pool."""
+
+    def __init__(self, backend: SimBackend, device: int):
+        self._backend = backend
+        self.device = device
+        self.id = backend._next_user_pool_id()
+        backend._incref_pool(self.id, device, create=True)
+        self._released = False
+
+    def use_count(self) -> int:
+        pool = self._backend._pools.get((self.device, self.id))
+        return 0 if pool is None else pool.use_count
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._backend._decref_pool(self.id, self.device)
+
+    def __del__(self) -> None:  # mirrors ~MemPool
+        with contextlib.suppress(Exception):
+            self.release()
+
+
+@dataclass
+class _Slot:
+    index: int
+
+
+@dataclass
+class _RecordedOp:
+    func: Any
+    args: Any
+    kwargs: Any
+    outs: list[tuple[int, StorageWeakRef | None, tuple]]  # (slot, weak storage if born, meta)
+
+
+class _CaptureMode(TorchDispatchMode):
+    """Sees every op of a simulated capture: registers new storages as pool blocks and records the ops."""
+
+    def __init__(self, graph: SimGraph):
+        super().__init__()
+        self.graph = graph
+        self.slots: dict[int, tuple[weakref.ref, int]] = {}
+        self.next_slot = 0
+        self.born: set[int] = set()  # storage keys born in this capture
+
+    def _slot_of(self, t: torch.Tensor) -> int | None:
+        entry = self.slots.get(id(t))
+        if entry is not None and entry[0]() is t:
+            return entry[1]
+        return None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        g = self.graph
+        if func in _HOST_SYNC_OPS:
+            g._invalidated = True
+            raise RuntimeError(CAPTURE_SYNC_MESSAGE)
+        flat_in, _ = tree_flatten((args, kwargs))
+        in_keys = {_storage_key(t) for t in flat_in if isinstance(t, torch.Tensor)}
+        out = func(*args, **kwargs)
+
+        def to_template(x):
+            if isinstance(x, torch.Tensor):
+                slot = self._slot_of(x)
+                return _Slot(slot) if slot is not None else x
+            return x
+
+        t_args = tree_map(to_template, args)
+        t_kwargs = tree_map(to_template, kwargs)
+        outs = []
+        flat_out, _ = tree_flatten(out)
+        for t in flat_out:
+            if not isinstance(t, torch.Tensor):
+                continue
+            key = _storage_key(t)
+            if key not in in_keys and key not in self.born and t.untyped_storage().nbytes() > 0:
+                g._backend._allocate_block(g, t)
+                self.born.add(key)
+            slot = self.next_slot
+            self.next_slot += 1
+            self.slots[id(t)] = (weakref.ref(t), slot)
+            weak = StorageWeakRef(t.untyped_storage()) if key in self.born else None
+            outs.append((slot, weak, (t.dtype, tuple(t.shape), t.stride(), t.storage_offset())))
+        g._ops.append(_RecordedOp(func, t_args, t_kwargs, outs))
+        return out
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+class SimGraph:
+    """``torch.cuda.CUDAGraph`` on the simulated allocator."""
+
+    def __init__(self, backend: SimBackend):
+        self._backend = backend
+        self._pool: PoolId | None = None
+        self._device: int | None = None
+        self._mode: _CaptureMode | None = None
+        self._ops: list[_RecordedOp] = []
+        self._captured = False  # capture_end ran: the graph holds a pool reference until reset
+        self._replayable = False
+        self._invalidated = False
+
+    # capture
+    def capture_begin(self, pool: PoolId | None = None, capture_error_mode: str = "global") -> None:
+        be = self._backend
+        be._check_not_poisoned()
+        stream = be._current_stream
+        if stream.default:
+            raise RuntimeError(DEFAULT_STREAM_MESSAGE)
+        if be._capturing is not None:
+            raise RuntimeError("Cannot begin a capture while another capture is underway (simulated)")
+        if self._captured:
+            raise RuntimeError("This CUDAGraph instance already owns a captured graph; call reset() first")
+        device = stream.device
+        pool_id = tuple(pool) if pool is not None and tuple(pool) != (0, 0) else be._next_graph_pool_id()
+        be._incref_pool(pool_id, device, create=True)  # may assert and poison
+        self._pool, self._device = pool_id, device
+        self._invalidated = False
+        self._ops = []
+        be._capturing = self
+        self._mode = _CaptureMode(self)
+        self._mode.__enter__()
+
+    def capture_end(self) -> None:
+        be = self._backend
+        if be._capturing is not self:
+            raise RuntimeError("capture_end() called without a matching capture_begin() (simulated)")
+        self._mode.__exit__(None, None, None)
+        self._mode = None
+        be._capturing = None
+        self._captured = True  # the pool reference is now the graph's, released by reset()
+        if self._invalidated:
+            self._ops = []
+            raise RuntimeError(CAPTURE_INVALIDATED_MESSAGE)
+        self._replayable = True
+
+    def replay(self) -> None:
+        be = self._backend
+        be._check_not_poisoned()
+        if not self._replayable:
+            raise RuntimeError(REPLAY_MESSAGE)
+        env: dict[int, torch.Tensor] = {}
+
+        def resolve(x):
+            return env[x.index] if isinstance(x, _Slot) else x
+
+        for op in self._ops:
+            out = op.func(*tree_map(resolve, op.args), **tree_map(resolve, op.kwargs))
+            flat_out = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+            for t, (slot, weak, meta) in zip(flat_out, op.outs):
+                env[slot] = t
+                if weak is not None:
+                    _copy_into_storage(weak, meta, t)
+
+    def reset(self) -> None:
+        if self._captured:
+            self._captured = False
+            self._replayable = False
+            self._ops = []
+            self._backend._decref_pool(self._pool, self._device)
+
+    def pool(self) -> PoolId:
+        if self._pool is None:
+            raise RuntimeError("graph has no pool: it was never captured")
+        return self._pool
+
+    def __del__(self) -> None:  # ~CUDAGraph resets
+        with contextlib.suppress(Exception):
+            self.reset()
+
+
+def _copy_into_storage(weak: StorageWeakRef, meta: tuple, value: torch.Tensor) -> None:
+    storage = torch.UntypedStorage._new_with_weak_ptr(weak.cdata)
+    if storage is None:
+        return
+    dtype, shape, stride, offset = meta
+    target = torch.empty(0, dtype=dtype).set_(storage, offset, shape, stride)
+    if target.data_ptr() != value.data_ptr():
+        target.copy_(value)
+
+
+class SimBackend(Backend):
+    """A CPU model of the CUDA caching allocator's private pools, with ``devices`` simulated devices."""
+
+    name = "sim"
+    _worlds = itertools.count(1)
+
+    def __init__(self, devices: int = 2, record_stacks: bool = False):
+        if not isinstance(devices, int) or devices < 1:
+            from ..errors import ConfigError
+
+            raise ConfigError(f"SimBackend(devices={devices!r}): give a positive int number of simulated devices")
+        self._devices = devices
+        self.world = ("sim", next(SimBackend._worlds))  # each SimBackend is its own allocator
+        self._lock = threading.RLock()
+        self._pools: dict[tuple[int, PoolId], _Pool] = {}
+        self._freeable: set[tuple[int, PoolId]] = set()
+        self._user_ids = itertools.count(1)  # graph_pool_handle() and MemPool: (0, n)
+        self._graph_ids = itertools.count(1)  # a capture with no pool: (n, 0)
+        self._default_streams = [SimStream(d, default=True) for d in range(devices)]
+        self._current_stream = self._default_streams[0]
+        self._capturing: SimGraph | None = None
+        self.poisoned: str | None = None
+        self.record_stacks = record_stacks
+
+    # devices
+    def is_available(self) -> bool:
+        return True
+
+    def device_count(self) -> int:
+        return self._devices
+
+    def torch_device(self, index: int) -> torch.device:
+        self.check_device(index)
+        return torch.device("cpu")
+
+    def current_device(self) -> int:
+        return self._current_stream.device
+
+    # pool ids
+    def _next_user_pool_id(self) -> PoolId:
+        return (0, next(self._user_ids))
+
+    def _next_graph_pool_id(self) -> PoolId:
+        return (next(self._graph_ids), 0)
+
+    def graph_pool_handle(self) -> PoolId:
+        return self._next_user_pool_id()
+
+    def has_mempool(self) -> bool:
+        return True
+
+    def mempool(self, device: int = 0) -> SimMemPool:
+        self.check_device(device)
+        return SimMemPool(self, device)
+
+    # the allocator's pool rules
+    def _incref_pool(self, pool_id: PoolId, device: int, create: bool) -> None:
+        with self._lock:
+            key = (device, pool_id)
+            pool = self._pools.get(key)
+            if pool is None:
+                self._pools[key] = _Pool(pool_id, device)
+                return
+            if pool.use_count <= 0:
+                # The real allocator asserts here, after the capture's generator bookkeeping began:
+                # nothing random works in this process afterwards.
+                self.poisoned = POISON_MESSAGE
+                raise RuntimeError(ASSERT_MESSAGE)
+            pool.use_count += 1
+
+    def _decref_pool(self, pool_id: PoolId, device: int) -> None:
+        with self._lock:
+            key = (device, pool_id)
+            pool = self._pools[key]
+            pool.use_count -= 1
+            assert pool.use_count >= 0, "use_count went negative"
+            if pool.use_count == 0:
+                self._freeable.add(key)
+
+    def _allocate_block(self, graph: SimGraph, t: torch.Tensor) -> None:
+        with self._lock:
+            self._collect()
+            pool = self._pools[(graph._device, graph._pool)]
+            size = round_size(t.untyped_storage().nbytes())
+            small = size <= SMALL_SIZE
+            best: tuple[int, _Segment, int] | None = None
+            for seg in pool.segments:
+                if seg.small != small:
+                    continue
+                off = seg.best_gap(size)
+                if off is not None:
+                    free = seg.size - seg.allocated()
+                    if best is None or free < best[0]:
+                        best = (free, seg, off)
+            if best is None:
+                seg = _Segment(segment_size(size), small)
+                pool.segments.append(seg)
+                off = 0
+            else:
+                _, seg, off = best
+            stack = traceback.format_stack(limit=12)[:-3] if self.record_stacks else None
+            seg.blocks.append(_Block(off, size, StorageWeakRef(t.untyped_storage()), _storage_key(t), stack))
+
+    def _collect(self) -> None:
+        """Return the blocks whose storage died to their segments' free space."""
+        for pool in self._pools.values():
+            for seg in pool.segments:
+                if seg.blocks:
+                    seg.blocks = [b for b in seg.blocks if b.alive()]
+
+    def _check_not_poisoned(self) -> None:
+        if self.poisoned:
+            raise RuntimeError(self.poisoned)
+
+    # graphs and streams
+    def new_graph(self) -> SimGraph:
+        return SimGraph(self)
+
+    def new_stream(self, device: int = 0) -> SimStream:
+        self.check_device(device)
+        return SimStream(device)
+
+    @contextlib.contextmanager
+    def stream(self, stream: SimStream):
+        prev = self._current_stream
+        self._current_stream = stream
+        try:
+            yield stream
+        finally:
+            self._current_stream = prev
+
+    @contextlib.contextmanager
+    def graph(self, graph: SimGraph, pool: PoolId | None = None, stream: SimStream | None = None):
+        self.synchronize()
+        self.empty_cache()
+        stream = stream or SimStream(self.current_device())
+        with self.stream(stream):
+            graph.capture_begin(pool)
+            try:
+                yield graph
+            finally:
+                graph.capture_end()
+
+    def synchronize(self, device: int | None = None) -> None:
+        if self._capturing is not None:
+            self._capturing._invalidated = True
+            raise RuntimeError(CAPTURE_SYNC_MESSAGE)
+
+    def empty_cache(self) -> None:
+        if self._capturing is not None:
+            raise RuntimeError("empty_cache() during a capture is not permitted (simulated)")
+        with self._lock:
+            self._collect()
+            for key in sorted(self._freeable):
+                pool = self._pools[key]
+                pool.segments = [s for s in pool.segments if s.blocks]
+                if not pool.segments:
+                    del self._pools[key]
+                    self._freeable.discard(key)
+
+    # books
+    def pool_state(self, pool_id: PoolId, device: int = 0) -> PoolState:
+        with self._lock:
+            self._collect()
+            pool = self._pools.get((device, tuple(pool_id)))
+            if pool is None:
+                return PoolState(tuple(pool_id), device, False, 0, 0, 0, 0)
+            return PoolState(
+                pool.pool_id, device, True, pool.use_count, pool.reserved(), pool.allocated(), len(pool.segments)
+            )
+
+    def pool_ids(self, device: int = 0) -> list[PoolId]:
+        with self._lock:
+            return sorted(p.pool_id for (d, _), p in self._pools.items() if d == device and p.segments)
+
+    def memory_reserved(self, device: int = 0) -> int:
+        with self._lock:
+            self._collect()
+            return sum(p.reserved() for (d, _), p in self._pools.items() if d == device)
+
+    def memory_allocated(self, device: int = 0) -> int:
+        with self._lock:
+            self._collect()
+            return sum(p.allocated() for (d, _), p in self._pools.items() if d == device)
+
+    def block_stacks(self, pool_id: PoolId, device: int = 0) -> list[list[str]]:
+        """Allocation stacks of the live blocks of a pool (when ``record_stacks`` is on)."""
+        with self._lock:
+            self._collect()
+            pool = self._pools.get((device, tuple(pool_id)))
+            if pool is None:
+                return []
+            return [b.stack or [] for s in pool.segments for b in s.blocks]
+
+    # tensors
+    def randn(self, *shape: int, device: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        self.check_device(device)
+        self._check_not_poisoned()
+        return torch.randn(*shape, dtype=dtype)
+
+    def empty(self, *shape: int, device: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        self.check_device(device)
+        return torch.empty(*shape, dtype=dtype)

@@ -1,0 +1,626 @@
+"""The conformance table: scenarios of the caching allocator's private-pool rules, one expected outcome each.
+
+Every scenario runs the same code on any backend and returns an outcome string; ``sim`` must give the
+same string as ``cuda`` on every scenario. On ``cuda`` each scenario runs in a fresh process (the
+allocator's assert poisons the process); on ``sim`` each gets a fresh :class:`SimBackend`.
+
+    python -m cudagraph_lifecycle.conformance --backend sim|cuda [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .backends import Backend, get_backend
+from .backends.base import MiB
+
+N = 64 * 64  # a 16 KiB float32 tensor: one small block
+
+
+def classify(e: BaseException) -> str:
+    """Map an allocator or capture error to a short name that both backends share."""
+    msg = str(e)
+    if "use_count > 0" in msg:
+        return "assert"
+    if "Offset increment outside graph capture" in msg:
+        return "poisoned"
+    if "not permitted when stream is capturing" in msg:
+        return "capture-sync"
+    if "previous error during capture" in msg or "invalidated" in msg:
+        return "capture-invalidated"
+    if "non-default stream" in msg:
+        return "default-stream"
+    if "without a preceding successful capture" in msg:
+        return "replay-without-capture"
+    return f"error:{type(e).__name__}"
+
+
+def attempt(fn: Callable[[], object]) -> str:
+    try:
+        fn()
+    except RuntimeError as e:
+        return classify(e)
+    return "ok"
+
+
+def mib(nbytes: int) -> str:
+    return f"{nbytes / MiB:g}MiB"
+
+
+class Ctx:
+    """Helpers shared by every scenario: capture a small elementwise step into a pool, read pool books."""
+
+    def __init__(self, be: Backend):
+        self.be = be
+        self.stream = be.new_stream(0)
+
+    def tensor(self, numel: int = N) -> torch.Tensor:
+        return self.be.randn(numel)
+
+    def capture(self, graph, pool, fn):
+        """Raw capture (no synchronize, no empty_cache): what an engine does between its own captures."""
+        with self.be.stream(self.stream):
+            graph.capture_begin(pool=pool)
+            try:
+                out = fn()
+            finally:
+                graph.capture_end()
+        return out
+
+    def step(self, graph, pool, x=None, numel: int = N):
+        x = self.tensor(numel) if x is None else x
+        return self.capture(graph, pool, lambda: x * 2 + 1)
+
+    def reserved(self, pool) -> int:
+        return self.be.pool_state(pool).reserved_bytes
+
+    def exists(self, pool) -> bool:
+        return self.be.pool_state(pool).reserved_bytes > 0
+
+
+# scenarios ---------------------------------------------------------------------------------------------
+
+
+def s_fresh_handle_capture_replay(c: Ctx) -> str:
+    h = c.be.graph_pool_handle()
+    g = c.be.new_graph()
+    x = c.tensor()
+    y = c.step(g, h, x)
+    x.copy_(c.tensor())
+    g.replay()
+    c.be.synchronize()
+    return "equal" if torch.allclose(y, x * 2 + 1) else "differ"
+
+
+def _stale(c: Ctx, keep_output: bool, empty_cache: bool) -> str:
+    h = c.be.graph_pool_handle()
+    g1 = c.be.new_graph()
+    y = c.step(g1, h)
+    g1.reset()
+    if not keep_output:
+        del y, g1
+    if empty_cache:
+        c.be.empty_cache()
+    return attempt(lambda: c.step(c.be.new_graph(), h))
+
+
+def s_stale_handle_output_alive(c: Ctx) -> str:
+    return _stale(c, keep_output=True, empty_cache=False)
+
+
+def s_stale_handle_output_alive_empty_cache(c: Ctx) -> str:
+    return _stale(c, keep_output=True, empty_cache=True)
+
+
+def s_stale_handle_output_deleted_no_empty_cache(c: Ctx) -> str:
+    return _stale(c, keep_output=False, empty_cache=False)
+
+
+def s_stale_handle_output_deleted_empty_cache(c: Ctx) -> str:
+    return _stale(c, keep_output=False, empty_cache=True)
+
+
+def s_recreated_pool_keeps_id(c: Ctx) -> str:
+    h = c.be.graph_pool_handle()
+    g1 = c.be.new_graph()
+    y = c.step(g1, h)
+    del y
+    g1.reset()
+    c.be.empty_cache()
+    gone = c.be.pool_state(h).reserved_bytes == 0
+    g2 = c.be.new_graph()
+    y2 = c.step(g2, h)  # noqa: F841 - keeps the block, so the segment shows
+    return f"gone={gone} back={h in c.be.pool_ids()} same_id={tuple(g2.pool()) == tuple(h)}"
+
+
+def _poison(c: Ctx) -> str:
+    h = c.be.graph_pool_handle()
+    g1 = c.be.new_graph()
+    y = c.step(g1, h)  # noqa: F841
+    g1.reset()
+    return attempt(lambda: c.step(c.be.new_graph(), h))
+
+
+def s_poisoned_randn(c: Ctx) -> str:
+    first = _poison(c)
+    return f"{first} then {attempt(lambda: c.be.randn(4))}"
+
+
+def s_poisoned_plain_alloc(c: Ctx) -> str:
+    first = _poison(c)
+    return f"{first} then {attempt(lambda: c.be.empty(4))}"
+
+
+def s_poisoned_new_handle_capture(c: Ctx) -> str:
+    first = _poison(c)
+    x = c.be.empty(N)  # allocate before: the capture itself is what is tested
+    return f"{first} then {attempt(lambda: c.step(c.be.new_graph(), c.be.graph_pool_handle(), x))}"
+
+
+def s_handles_count_up(c: Ctx) -> str:
+    a, b, d = (c.be.graph_pool_handle() for _ in range(3))
+    return "up" if a[0] == b[0] == d[0] == 0 and a[1] < b[1] < d[1] else f"not-up {a} {b} {d}"
+
+
+def s_handle_without_capture_creates_nothing(c: Ctx) -> str:
+    h = c.be.graph_pool_handle()
+    return f"segments={c.be.pool_state(h).segments}"
+
+
+def s_capture_without_pool_mints_graph_id(c: Ctx) -> str:
+    g = c.be.new_graph()
+    y = c.step(g, None)  # noqa: F841
+    p = tuple(g.pool())
+    return "graph-id" if p[0] > 0 and p[1] == 0 else f"other {p}"
+
+
+def s_share_pool_via_graph_pool(c: Ctx) -> str:
+    g1 = c.be.new_graph()
+    y1 = c.step(g1, None)  # noqa: F841
+    g2 = c.be.new_graph()
+    return attempt(lambda: c.step(g2, g1.pool()))
+
+
+def s_share_graph_pool_after_reset_output_alive(c: Ctx) -> str:
+    g1 = c.be.new_graph()
+    y1 = c.step(g1, None)  # noqa: F841
+    p = g1.pool()
+    g1.reset()
+    return attempt(lambda: c.step(c.be.new_graph(), p))
+
+
+def s_graph_destruction_releases_like_reset(c: Ctx) -> str:
+    h = c.be.graph_pool_handle()
+    g1 = c.be.new_graph()
+    y = c.step(g1, h)  # noqa: F841
+    del g1
+    return attempt(lambda: c.step(c.be.new_graph(), h))
+
+
+def s_mempool_use_count_cycle(c: Ctx) -> str:
+    mp = c.be.mempool(0)
+    counts = [mp.use_count()]
+    g = c.be.new_graph()
+    y = c.step(g, mp.id)  # noqa: F841
+    counts.append(mp.use_count())
+    g.reset()
+    counts.append(mp.use_count())
+    return ",".join(map(str, counts))
+
+
+def s_mempool_two_graphs_use_count(c: Ctx) -> str:
+    mp = c.be.mempool(0)
+    g1, g2 = c.be.new_graph(), c.be.new_graph()
+    y1 = c.step(g1, mp.id)  # noqa: F841
+    y2 = c.step(g2, mp.id)  # noqa: F841
+    return str(mp.use_count())
+
+
+def s_mempool_recapture_output_alive(c: Ctx) -> str:
+    mp = c.be.mempool(0)
+    g1 = c.be.new_graph()
+    y = c.step(g1, mp.id)  # noqa: F841
+    g1.reset()
+    return attempt(lambda: c.step(c.be.new_graph(), mp.id))
+
+
+def s_mempool_del_frees_all(c: Ctx) -> str:
+    mp = c.be.mempool(0)
+    pid = mp.id
+    g = c.be.new_graph()
+    y = c.step(g, pid)
+    before = c.reserved(pid)
+    g.reset()
+    del y, mp
+    c.be.empty_cache()
+    return f"{mib(before)}->{mib(c.reserved(pid))}"
+
+
+def s_mempool_del_output_alive_pins(c: Ctx) -> str:
+    mp = c.be.mempool(0)
+    pid = mp.id
+    g = c.be.new_graph()
+    y = c.step(g, pid)
+    g.reset()
+    del mp
+    c.be.empty_cache()
+    kept = c.reserved(pid)
+    del y
+    c.be.empty_cache()
+    return f"{mib(kept)}->{mib(c.reserved(pid))}"
+
+
+def s_segment_visible_then_gone(c: Ctx) -> str:
+    h = c.be.graph_pool_handle()
+    g = c.be.new_graph()
+    y = c.step(g, h)
+    seen = h in c.be.pool_ids()
+    g.reset()
+    del y
+    c.be.empty_cache()
+    return f"seen={seen} after={h in c.be.pool_ids()}"
+
+
+def _reserved_for(c: Ctx, numel: int) -> str:
+    h = c.be.graph_pool_handle()
+    g = c.be.new_graph()
+    y = c.step(g, h, c.be.empty(numel).fill_(1.0), numel)  # noqa: F841
+    st = c.be.pool_state(h)
+    return f"{mib(st.reserved_bytes)} in {st.segments}"
+
+
+def s_reserved_small_block(c: Ctx) -> str:
+    return _reserved_for(c, N)  # 16 KiB -> a 2 MiB small segment
+
+
+def s_reserved_one_mib_block(c: Ctx) -> str:
+    return _reserved_for(c, MiB // 4)  # exactly 1 MiB: still small
+
+
+def s_reserved_medium_block(c: Ctx) -> str:
+    return _reserved_for(c, MiB)  # two 4 MiB blocks -> one 20 MiB large segment
+
+
+def s_reserved_large_block(c: Ctx) -> str:
+    return _reserved_for(c, 3 * MiB)  # 12 MiB blocks (x*2, then +1 while x*2 lives): 2 segments of 12 MiB
+
+
+def s_reserved_odd_large_block(c: Ctx) -> str:
+    return _reserved_for(c, 3 * MiB + 1000)  # just over 12 MiB -> segments rounded up to 14 MiB
+
+
+def s_intermediates_reused_in_capture(c: Ctx) -> str:
+    h = c.be.graph_pool_handle()
+    x = c.be.randn(64 * 1024)  # 256 KiB
+
+    def chain():
+        y = x
+        for _ in range(20):
+            y = y * 1.01 + 0.5  # each step frees the previous intermediate
+        return y
+
+    g = c.be.new_graph()
+    y = c.capture(g, h, chain)  # noqa: F841
+    return mib(c.reserved(h))
+
+
+def s_small_outputs_share_one_segment(c: Ctx) -> str:
+    h = c.be.graph_pool_handle()
+    graphs, outs = [], []
+    for _ in range(8):
+        g = c.be.new_graph()
+        outs.append(c.step(g, h))
+        graphs.append(g)
+    return f"{mib(c.reserved(h))} in {c.be.pool_state(h).segments}"
+
+
+def s_one_live_output_pins_shared_pool(c: Ctx) -> str:
+    h = c.be.graph_pool_handle()
+    graphs, outs = [], []
+    for _ in range(8):
+        g = c.be.new_graph()
+        outs.append(c.step(g, h, numel=MiB // 2))  # 2 MiB blocks: large segments
+        graphs.append(g)
+    for g in graphs:
+        g.reset()
+    keep = outs[3]
+    del outs, graphs
+    c.be.empty_cache()
+    pinned = c.reserved(h)
+    del keep
+    c.be.empty_cache()
+    return f"{mib(pinned)}->{mib(c.reserved(h))}"
+
+
+def s_empty_cache_keeps_live_pool(c: Ctx) -> str:
+    h = c.be.graph_pool_handle()
+    g = c.be.new_graph()
+    y = c.step(g, h)
+    del y  # the block is free, but the graph still uses the pool
+    c.be.empty_cache()
+    return mib(c.reserved(h))
+
+
+def s_output_freed_before_reset(c: Ctx) -> str:
+    h = c.be.graph_pool_handle()
+    g = c.be.new_graph()
+    y = c.step(g, h)
+    del y
+    g.reset()
+    c.be.empty_cache()
+    return mib(c.reserved(h))
+
+
+def s_reset_twice_is_noop(c: Ctx) -> str:
+    mp = c.be.mempool(0)
+    g = c.be.new_graph()
+    y = c.step(g, mp.id)  # noqa: F841
+    g.reset()
+    g.reset()
+    return str(mp.use_count())
+
+
+def s_replay_after_reset(c: Ctx) -> str:
+    g = c.be.new_graph()
+    y = c.step(g, c.be.graph_pool_handle())  # noqa: F841
+    g.reset()
+    return attempt(g.replay)
+
+
+def s_capture_on_default_stream(c: Ctx) -> str:
+    g = c.be.new_graph()
+    x = c.tensor()
+
+    def go():
+        g.capture_begin(pool=c.be.graph_pool_handle())
+        try:
+            x * 2
+        finally:
+            g.capture_end()
+
+    return attempt(go)
+
+
+def s_shared_pool_largest_first_smaller(c: Ctx) -> str:
+    sizes = [1, 2, 4, 8, 16, 32]
+
+    def total(order) -> int:
+        h = c.be.graph_pool_handle()
+        keep = []
+        for s in order:
+            x = c.be.randn(s * 32 * 1024)  # s * 128 KiB
+
+            def fwd(x=x):
+                a = x * 2
+                b = a + 1
+                return (b * 3).sum(0, keepdim=True)
+
+            g = c.be.new_graph()
+            keep.append((g, c.capture(g, h, fwd)))
+        return c.reserved(h)
+
+    largest, smallest = total(sorted(sizes, reverse=True)), total(sorted(sizes))
+    return f"largest-first<=smallest-first: {largest <= smallest}"
+
+
+def s_separate_pools_not_smaller(c: Ctx) -> str:
+    shared = c.be.graph_pool_handle()
+    keep = []
+    for _ in range(4):
+        g = c.be.new_graph()
+        keep.append((g, c.step(g, shared)))
+    sep = []
+    for _ in range(4):
+        g, h = c.be.new_graph(), c.be.graph_pool_handle()
+        keep.append((g, c.step(g, h)))
+        sep.append(h)
+    return f"shared={mib(c.reserved(shared))} separate={mib(sum(c.reserved(h) for h in sep))}"
+
+
+def s_host_sync_in_capture(c: Ctx) -> str:
+    mp = c.be.mempool(0)
+    g = c.be.new_graph()
+    x = c.tensor()
+    first = attempt(lambda: c.capture(g, mp.id, lambda: (x * 2).sum().item()))
+    g.reset()
+    after = attempt(lambda: c.be.randn(4))
+    return f"{first} then {after}, use_count={mp.use_count()}"
+
+
+def s_autograd_clone_pins_pool(c: Ctx) -> str:
+    h = c.be.graph_pool_handle()
+    w = c.be.randn(N).requires_grad_()
+    x = c.tensor()
+    g = c.be.new_graph()
+    with torch.enable_grad():
+        y = c.capture(g, h, lambda: (x * w).relu())
+    kept = y.clone()  # carries autograd history back into the capture
+    g.reset()
+    del y
+    c.be.empty_cache()
+    pinned = c.reserved(h)
+    del kept
+    c.be.empty_cache()
+    return f"{mib(pinned)}->{mib(c.reserved(h))}"
+
+
+def s_no_grad_clone_does_not_pin(c: Ctx) -> str:
+    h = c.be.graph_pool_handle()
+    w = c.be.randn(N).requires_grad_()
+    x = c.tensor()
+    g = c.be.new_graph()
+    with torch.no_grad():
+        y = c.capture(g, h, lambda: (x * w).relu())
+    kept = y.clone()  # noqa: F841
+    g.reset()
+    del y
+    c.be.empty_cache()
+    return mib(c.reserved(h))
+
+
+def s_runner_release_clean(c: Ctx) -> str:
+    from .runner import CUDAGraphRunner
+
+    r = CUDAGraphRunner(lambda x: (x * 2 + 1).relu(), [1, 2, 4, 8], (256,), backend=c.be)
+    x = c.be.randn(3, 256)
+    ok = torch.allclose(r.run(x), (x * 2 + 1).relu())
+    rep = r.release()
+    return f"equal={ok} clean={rep.clean}"
+
+
+def s_runner_kept_output_pins(c: Ctx) -> str:
+    from .runner import CUDAGraphRunner
+
+    r = CUDAGraphRunner(lambda x: (x * 2 + 1).relu(), [1, 2, 4, 8], (256,), backend=c.be)
+    y = r.run(c.be.randn(3, 256))
+    rep = r.release()
+    del y
+    c.be.empty_cache()
+    (pid,) = [p for _, p in r.pool_ids]
+    return f"pinned={mib(rep.pinned_bytes)} after-drop={mib(c.reserved(pid))}"
+
+
+def s_lazy_pool_fresh_after_retire(c: Ctx) -> str:
+    from .pool import LazyPool
+
+    lp = LazyPool(c.be)
+    p1 = lp.acquire(0)
+    g1 = c.be.new_graph()
+    y = c.step(g1, p1)  # noqa: F841 - the old engine's output stays alive
+    g1.reset()
+    lp.retire()
+    p2 = lp.acquire(0)
+    return f"new_id={p1 != p2} capture={attempt(lambda: c.step(c.be.new_graph(), p2))}"
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    fn: Callable[[Ctx], str]
+    expected: str
+
+
+SCENARIOS: list[Scenario] = [
+    Scenario("fresh_handle_capture_replay", s_fresh_handle_capture_replay, "equal"),
+    Scenario("stale_handle_output_alive", s_stale_handle_output_alive, "assert"),
+    Scenario("stale_handle_output_alive_empty_cache", s_stale_handle_output_alive_empty_cache, "assert"),
+    Scenario("stale_handle_output_deleted_no_empty_cache", s_stale_handle_output_deleted_no_empty_cache, "assert"),
+    Scenario("stale_handle_output_deleted_empty_cache", s_stale_handle_output_deleted_empty_cache, "ok"),
+    Scenario("recreated_pool_keeps_id", s_recreated_pool_keeps_id, "gone=True back=True same_id=True"),
+    Scenario("poisoned_randn", s_poisoned_randn, "assert then poisoned"),
+    Scenario("poisoned_plain_alloc", s_poisoned_plain_alloc, "assert then ok"),
+    Scenario("poisoned_new_handle_capture", s_poisoned_new_handle_capture, "assert then poisoned"),
+    Scenario("handles_count_up", s_handles_count_up, "up"),
+    Scenario("handle_without_capture_creates_nothing", s_handle_without_capture_creates_nothing, "segments=0"),
+    Scenario("capture_without_pool_mints_graph_id", s_capture_without_pool_mints_graph_id, "graph-id"),
+    Scenario("share_pool_via_graph_pool", s_share_pool_via_graph_pool, "ok"),
+    Scenario("share_graph_pool_after_reset_output_alive", s_share_graph_pool_after_reset_output_alive, "assert"),
+    Scenario("graph_destruction_releases_like_reset", s_graph_destruction_releases_like_reset, "assert"),
+    Scenario("mempool_use_count_cycle", s_mempool_use_count_cycle, "1,2,1"),
+    Scenario("mempool_two_graphs_use_count", s_mempool_two_graphs_use_count, "3"),
+    Scenario("mempool_recapture_output_alive", s_mempool_recapture_output_alive, "ok"),
+    Scenario("mempool_del_frees_all", s_mempool_del_frees_all, "2MiB->0MiB"),
+    Scenario("mempool_del_output_alive_pins", s_mempool_del_output_alive_pins, "2MiB->0MiB"),
+    Scenario("segment_visible_then_gone", s_segment_visible_then_gone, "seen=True after=False"),
+    Scenario("reserved_small_block", s_reserved_small_block, "2MiB in 1"),
+    Scenario("reserved_one_mib_block", s_reserved_one_mib_block, "2MiB in 1"),
+    Scenario("reserved_medium_block", s_reserved_medium_block, "20MiB in 1"),
+    Scenario("reserved_large_block", s_reserved_large_block, "24MiB in 2"),
+    Scenario("reserved_odd_large_block", s_reserved_odd_large_block, "28MiB in 2"),
+    Scenario("intermediates_reused_in_capture", s_intermediates_reused_in_capture, "2MiB"),
+    Scenario("small_outputs_share_one_segment", s_small_outputs_share_one_segment, "2MiB in 1"),
+    Scenario("one_live_output_pins_shared_pool", s_one_live_output_pins_shared_pool, "20MiB->0MiB"),
+    Scenario("empty_cache_keeps_live_pool", s_empty_cache_keeps_live_pool, "2MiB"),
+    Scenario("output_freed_before_reset", s_output_freed_before_reset, "0MiB"),
+    Scenario("reset_twice_is_noop", s_reset_twice_is_noop, "1"),
+    Scenario("replay_after_reset", s_replay_after_reset, "replay-without-capture"),
+    Scenario("capture_on_default_stream", s_capture_on_default_stream, "default-stream"),
+    Scenario("shared_pool_largest_first_smaller", s_shared_pool_largest_first_smaller, "largest-first<=smallest-first: True"),
+    Scenario("separate_pools_not_smaller", s_separate_pools_not_smaller, "shared=2MiB separate=8MiB"),
+    Scenario("host_sync_in_capture", s_host_sync_in_capture, "capture-invalidated then ok, use_count=1"),
+    Scenario("autograd_clone_pins_pool", s_autograd_clone_pins_pool, "2MiB->0MiB"),
+    Scenario("no_grad_clone_does_not_pin", s_no_grad_clone_does_not_pin, "0MiB"),
+    Scenario("runner_release_clean", s_runner_release_clean, "equal=True clean=True"),
+    Scenario("runner_kept_output_pins", s_runner_kept_output_pins, "pinned=2MiB after-drop=0MiB"),
+    Scenario("lazy_pool_fresh_after_retire", s_lazy_pool_fresh_after_retire, "new_id=True capture=ok"),
+]
+BY_NAME = {s.name: s for s in SCENARIOS}
+
+
+def run_scenario(name: str, backend: str | Backend = "sim") -> str:
+    """Run one scenario on a fresh allocator world (a new SimBackend, or this process's CUDA)."""
+    sc = BY_NAME[name]
+    be = get_backend(backend)
+    try:
+        return sc.fn(Ctx(be))
+    except Exception as e:  # an unexpected error is an outcome too: it must match on both backends
+        return f"raised {classify(e)}: {str(e).splitlines()[0][:120]}"
+
+
+def run_isolated(name: str, backend: str, timeout: float = 120.0) -> str:
+    """Run one scenario in a fresh Python process (needed on CUDA: the assert poisons the process)."""
+    code = (
+        "import sys; from cudagraph_lifecycle.conformance import run_scenario; "
+        f"sys.stdout.write('@@' + run_scenario({name!r}, {backend!r}))"
+    )
+    try:
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return f"timeout after {timeout:g}s"
+    if "@@" not in p.stdout:
+        tail = (p.stderr.strip().splitlines() or ["(no stderr)"])[-1]
+        return f"crashed rc={p.returncode}: {tail[:160]}"
+    return p.stdout.split("@@", 1)[1].strip()
+
+
+def run_table(backend: str = "sim", isolate: bool | None = None, jobs: int = 4) -> list[dict]:
+    isolate = (backend != "sim") if isolate is None else isolate
+    rows = []
+    if isolate:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(jobs) as ex:
+            outcomes = list(ex.map(lambda s: run_isolated(s.name, backend), SCENARIOS))
+    else:
+        outcomes = [run_scenario(s.name, backend) for s in SCENARIOS]
+    for sc, got in zip(SCENARIOS, outcomes):
+        rows.append({"scenario": sc.name, "expected": sc.expected, "outcome": got, "match": got == sc.expected})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--backend", default="sim", choices=["sim", "cuda", "auto"])
+    ap.add_argument("--json", help="write the table here")
+    ap.add_argument("--jobs", type=int, default=4)
+    a = ap.parse_args(argv)
+    backend = get_backend(a.backend).name
+    t0 = time.time()
+    rows = run_table(backend, jobs=a.jobs)
+    width = max(len(r["scenario"]) for r in rows)
+    for r in rows:
+        print(f"{'ok ' if r['match'] else 'BAD'} {r['scenario']:<{width}}  {r['outcome']}"
+              + ("" if r["match"] else f"   (expected {r['expected']})"))
+    bad = sum(not r["match"] for r in rows)
+    print(f"{len(rows) - bad}/{len(rows)} scenarios match on {backend} in {time.time() - t0:.1f}s")
+    if a.json:
+        meta = {"backend": backend, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+                "host": os.uname().nodename}
+        if backend == "cuda":
+            meta["gpu"] = torch.cuda.get_device_name(0)
+        with open(a.json, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

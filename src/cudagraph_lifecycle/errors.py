@@ -1,0 +1,38 @@
+"""Errors raised by cudagraph_lifecycle. Each message says what was wrong and how to fix it."""
+
+from __future__ import annotations
+
+
+class CudaGraphLifecycleError(RuntimeError):
+    """Base class of every lifecycle error this library raises."""
+
+
+class ConfigError(ValueError):
+    """A runner, pool or backend was configured with values that cannot work."""
+
+
+class GraphInputError(ValueError):
+    """An input handed to a runner does not fit its static buffers."""
+
+
+class BackendUnavailableError(CudaGraphLifecycleError):
+    """The backend that was asked for cannot run on this machine."""
+
+
+class RetiredPoolError(CudaGraphLifecycleError):
+    """A capture was attempted into a pool that was already retired."""
+
+
+class RunnerReleasedError(CudaGraphLifecycleError):
+    """A runner was used after ``release()``."""
+
+
+class StalePoolError(CudaGraphLifecycleError):
+    """A capture targets a pool whose graphs were all released while it still holds memory.
+
+    On CUDA the same capture would trip ``use_count > 0 INTERNAL ASSERT FAILED`` and poison the process.
+    """
+
+
+class PoolNotReleasedError(CudaGraphLifecycleError, AssertionError):
+    """A released pool still holds graphs or memory (raised by the fresh-pool checks)."""

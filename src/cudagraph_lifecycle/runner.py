@@ -1,0 +1,361 @@
+"""CUDAGraphRunner: one object owning every CUDA graph of one engine.
+
+The runner holds the whole lifecycle in one place, so no graph, buffer, output or pool id can outlive it:
+keys, warmup, capture (largest batch first, one pool, one stream), padding, replay, eager fallback, and a
+release that resets every graph, drops every buffer and retires the pool, then checks the allocator's books.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+from .backends import Backend, PoolId, PoolState, get_backend
+from .errors import ConfigError, GraphInputError, PoolNotReleasedError, RunnerReleasedError
+from .pool import LazyPool
+
+FALLBACK_REASONS = ("batch_over_max", "key_not_captured", "disabled", "capture_failed")
+
+ExtraKey = tuple[tuple[str, Any], ...]
+
+
+def _extra_key(extra: Mapping[str, Any]) -> ExtraKey:
+    return tuple(sorted(extra.items()))
+
+
+def validate_batch_sizes(batch_sizes: Iterable[int]) -> list[int]:
+    try:
+        sizes = list(batch_sizes)
+    except TypeError:
+        raise ConfigError(
+            f"batch_sizes must be an iterable of positive ints, got {batch_sizes!r}: e.g. batch_sizes=[1, 2, 4, 8]"
+        ) from None
+    if not sizes:
+        raise ConfigError("batch_sizes is empty: give at least one positive int, e.g. batch_sizes=[1, 2, 4, 8]")
+    bad = [b for b in sizes if not isinstance(b, int) or isinstance(b, bool)]
+    if bad:
+        raise ConfigError(f"batch_sizes must be ints, got {bad!r}: convert them, e.g. [int(b) for b in sizes]")
+    nonpos = [b for b in sizes if b <= 0]
+    if nonpos:
+        raise ConfigError(f"batch_sizes must be positive, got {nonpos!r}: drop sizes <= 0")
+    dups = sorted({b for b in sizes if sizes.count(b) > 1})
+    if dups:
+        raise ConfigError(f"batch_sizes has duplicates {dups!r}: list each size once")
+    return sorted(sizes)
+
+
+@dataclass
+class RunnerStats:
+    captures: int = 0
+    capture_failures: int = 0
+    replays: int = 0
+    fallbacks: dict[str, int] = field(default_factory=dict)
+    pool_id: PoolId | None = None
+    pool_bytes: int = 0
+    capture_ms: float = 0.0
+    failures: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["pool_id"] = None if self.pool_id is None else list(self.pool_id)
+        return d
+
+
+@dataclass(frozen=True)
+class ReleaseReport:
+    """What the allocator's books say after a release: ``clean`` when no segment of the pool is left."""
+
+    pools: tuple[PoolState, ...]
+    reserved_before: int
+    reserved_after: int
+
+    @property
+    def clean(self) -> bool:
+        return all(s.reserved_bytes == 0 for s in self.pools)
+
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(s.reserved_bytes for s in self.pools)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "pools": [s.as_dict() for s in self.pools],
+            "reserved_before": self.reserved_before,
+            "reserved_after": self.reserved_after,
+            "clean": self.clean,
+            "pinned_bytes": self.pinned_bytes,
+        }
+
+
+class CUDAGraphRunner:
+    """Captures ``forward(x, **extra)`` once per key and replays it.
+
+    Args:
+        forward: the engine's step. Takes a batch ``x`` of shape ``(b, *feature_shape)`` and the extra key
+            fields as keyword arguments; returns a tensor or a pytree of tensors whose first dim is the batch.
+        batch_sizes: the batch sizes to capture. A batch ``b`` runs the smallest captured size ``>= b``,
+            padded with ``pad_value``; its output is sliced back to ``b``.
+        feature_shape, dtype: the static input buffer is ``(max(batch_sizes), *feature_shape)``.
+        extra_keys: the values of extra key fields (e.g. ``[{"draft_len": 1}, {"draft_len": 2}]``);
+            one graph is captured per batch size and extra key.
+        warmup: eager runs per graph before its capture (lazy initialisation must not happen in capture).
+        pool: a :class:`LazyPool` to capture into; by default the runner owns one and retires it at release.
+        copy_outputs: return copies instead of views of the static outputs. Views are faster, but a view
+            the caller keeps pins the pool's segment after release.
+        enabled: False runs everything eagerly (counted as fallback ``disabled``).
+
+    Capture runs under ``torch.no_grad()``: autograd history on a captured output would keep the capture's
+    saved activations, and with them the pool, alive after release (DESIGN.md §1).
+    """
+
+    def __init__(
+        self,
+        forward: Callable[..., Any],
+        batch_sizes: Iterable[int],
+        feature_shape: Iterable[int],
+        *,
+        dtype: torch.dtype = torch.float32,
+        backend: Backend | str = "auto",
+        device: int = 0,
+        extra_keys: Iterable[Mapping[str, Any]] | None = None,
+        warmup: int = 2,
+        pool: LazyPool | None = None,
+        pad_value: float = 0.0,
+        copy_outputs: bool = False,
+        enabled: bool = True,
+        name: str = "engine",
+    ):
+        if not callable(forward):
+            raise ConfigError(f"forward must be callable, got {type(forward).__name__}")
+        self.forward = forward
+        self.batch_sizes = validate_batch_sizes(batch_sizes)
+        try:
+            self.feature_shape = tuple(int(d) for d in feature_shape)
+        except (TypeError, ValueError):
+            raise ConfigError(f"feature_shape must be a tuple of ints, got {feature_shape!r}") from None
+        if any(d <= 0 for d in self.feature_shape):
+            raise ConfigError(f"feature_shape must hold positive sizes, got {self.feature_shape}")
+        if not isinstance(warmup, int) or warmup < 0:
+            raise ConfigError(f"warmup must be an int >= 0, got {warmup!r}")
+        if not isinstance(dtype, torch.dtype):
+            raise ConfigError(f"dtype must be a torch.dtype, got {dtype!r}")
+        extra = [{}] if extra_keys is None else [dict(e) for e in extra_keys]
+        if not extra:
+            raise ConfigError("extra_keys is empty: leave it None for no extra key fields, or give [{...}, ...]")
+        self.extra_keys = [_extra_key(e) for e in extra]
+        if len(set(self.extra_keys)) != len(self.extra_keys):
+            raise ConfigError(f"extra_keys has duplicates: {extra!r}")
+        self.backend = pool.backend if pool is not None else get_backend(backend)
+        self.device = self.backend.check_device(device)
+        self.dtype = dtype
+        self.warmup = warmup
+        self.pad_value = pad_value
+        self.copy_outputs = copy_outputs
+        self.enabled = enabled
+        self.name = name
+        self._owns_pool = pool is None
+        self.pool = pool if pool is not None else LazyPool(self.backend, name=f"{name}.pool")
+        self._graphs: dict[tuple[int, ExtraKey], tuple[Any, Any]] = {}
+        self._failed: dict[ExtraKey, str] = {}
+        self._static_in: torch.Tensor | None = None
+        self._stream = None
+        self._captured = False
+        self._released = False
+        self._release_report: ReleaseReport | None = None
+        self._pool_ids: list[tuple[int, PoolId]] = []
+        self._stats = RunnerStats()
+        self._fallbacks: Counter[str] = Counter()
+
+    # lifecycle
+    def _check_live(self) -> None:
+        if self._released:
+            raise RunnerReleasedError(
+                f"runner {self.name!r} was released: its graphs, buffers and pool are gone. "
+                "Build a new runner (and so a fresh pool) for the next engine"
+            )
+
+    def capture(self) -> None:
+        """Warm up and capture every (batch size, extra key), largest batch first, into one fresh pool."""
+        self._check_live()
+        if self._captured or not self.enabled:
+            return
+        self._captured = True
+        dev = self.backend.torch_device(self.device)
+        self._static_in = torch.zeros((self.batch_sizes[-1], *self.feature_shape), dtype=self.dtype, device=dev)
+        self._stream = self.backend.new_stream(self.device)
+        pool_id = self.pool.acquire(self.device)
+        self.pool.check_capturable(pool_id, self.device)
+        self._pool_ids.append((self.device, pool_id))
+        self._stats.pool_id = pool_id
+        for bs in reversed(self.batch_sizes):
+            for ekey in self.extra_keys:
+                if ekey not in self._failed:
+                    self._capture_one(bs, ekey, pool_id)
+
+    def _capture_one(self, bs: int, ekey: ExtraKey, pool_id: PoolId) -> None:
+        be = self.backend
+        x = self._static_in[:bs]
+        kwargs = dict(ekey)
+        graph = be.new_graph()
+        err: BaseException | None = None
+        out = None
+        with torch.no_grad():
+            try:
+                with be.stream(self._stream):
+                    for _ in range(self.warmup):
+                        self.forward(x, **kwargs)
+                be.synchronize(self.device)
+            except Exception as e:  # eager failure: the key cannot run at all, record it
+                err = e
+            if err is None:
+                t0 = time.perf_counter()
+                with be.stream(self._stream):
+                    graph.capture_begin(pool=pool_id)
+                    try:
+                        out = self.forward(x, **kwargs)
+                    except Exception as e:
+                        err = e
+                    try:
+                        graph.capture_end()
+                    except Exception as e:
+                        err = err or e
+                self._stats.capture_ms += (time.perf_counter() - t0) * 1e3
+        if err is not None:
+            # The failed graph gives its pool reference back now; the pool stays consistent.
+            graph.reset()
+            out = None
+            msg = f"batch {bs} {dict(ekey)}: {type(err).__name__}: {err}"
+            self._failed[ekey] = msg
+            self._stats.capture_failures += 1
+            self._stats.failures.append(msg)
+            for key in [k for k in self._graphs if k[1] == ekey]:  # a key is all-or-nothing
+                self._graphs.pop(key)[0].reset()
+            return
+        self._graphs[(bs, ekey)] = (graph, out)
+        self._stats.captures += 1
+
+    def _validate(self, x: torch.Tensor) -> int:
+        if not isinstance(x, torch.Tensor):
+            raise GraphInputError(f"input must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 1 + len(self.feature_shape) or tuple(x.shape[1:]) != self.feature_shape:
+            raise GraphInputError(
+                f"input shape {tuple(x.shape)} does not fit runner {self.name!r}: expected (batch, "
+                f"{', '.join(map(str, self.feature_shape))}); reshape the input or build the runner "
+                f"with feature_shape={tuple(x.shape[1:])}"
+            )
+        if x.shape[0] == 0:
+            raise GraphInputError("input batch is 0: skip the step, a graph cannot run an empty batch")
+        if x.dtype != self.dtype:
+            raise GraphInputError(f"input dtype {x.dtype} != runner dtype {self.dtype}: cast with x.to({self.dtype})")
+        dev = self.backend.torch_device(self.device)
+        if x.device.type != dev.type or (dev.index is not None and x.device.index != dev.index):
+            raise GraphInputError(f"input on {x.device}, runner on {dev}: move it with x.to('{dev}')")
+        return int(x.shape[0])
+
+    def _eager(self, x: torch.Tensor, kwargs: dict, reason: str) -> Any:
+        self._fallbacks[reason] += 1
+        with torch.no_grad():
+            return self.forward(x, **kwargs)
+
+    def graph_size_for(self, batch: int) -> int | None:
+        """The captured batch size that serves ``batch`` (smallest >= batch), or None if it is too large."""
+        i = bisect.bisect_left(self.batch_sizes, batch)
+        return self.batch_sizes[i] if i < len(self.batch_sizes) else None
+
+    def run(self, x: torch.Tensor, **extra: Any) -> Any:
+        """One step: replay the graph for ``x``'s batch and key, or fall back to eager (counted by reason)."""
+        self._check_live()
+        b = self._validate(x)
+        if not self.enabled:
+            return self._eager(x, extra, "disabled")
+        if not self._captured:
+            self.capture()
+        ekey = _extra_key(extra)
+        if ekey in self._failed:
+            return self._eager(x, extra, "capture_failed")
+        if ekey not in self.extra_keys:
+            return self._eager(x, extra, "key_not_captured")
+        bs = self.graph_size_for(b)
+        if bs is None:
+            return self._eager(x, extra, "batch_over_max")
+        graph, out = self._graphs[(bs, ekey)]
+        self._static_in[:b].copy_(x)
+        if b < bs:
+            self._static_in[b:bs].fill_(self.pad_value)
+        graph.replay()
+        self._stats.replays += 1
+        if self.copy_outputs:
+            return tree_map(lambda t: t[:b].clone() if isinstance(t, torch.Tensor) else t, out)
+        return tree_map(lambda t: t[:b] if isinstance(t, torch.Tensor) else t, out)
+
+    __call__ = run
+
+    def release(self, strict: bool = False) -> ReleaseReport:
+        """Reset every graph, drop buffers and outputs, retire the pool, then read the allocator's books.
+
+        Idempotent. With ``strict``, raise :class:`PoolNotReleasedError` if a segment of the pool is left
+        (an output view the caller still holds pins its segment: drop it or copy it out first).
+        """
+        if self._release_report is None:
+            be = self.backend
+            reserved_before = be.memory_reserved(self.device)
+            # Pop entries one by one: a loop variable bound to an output would pin its segment.
+            while self._graphs:
+                self._graphs.popitem()[1][0].reset()
+            self._static_in = None
+            self._stream = None
+            self._released = True
+            be.synchronize(self.device)
+            if self._owns_pool:
+                self.pool.retire()
+            be.empty_cache()
+            states = tuple(be.pool_state(pid, dev) for dev, pid in self._pool_ids)
+            self._release_report = ReleaseReport(states, reserved_before, be.memory_reserved(self.device))
+        report = self._release_report
+        if strict and not report.clean:
+            raise PoolNotReleasedError(
+                f"runner {self.name!r} released, but its pool still holds {report.pinned_bytes} bytes: "
+                "a tensor from the pool is still alive (an output view the caller kept, or a clone with "
+                "autograd history). Drop it, or build the runner with copy_outputs=True"
+            )
+        return report
+
+    def __enter__(self) -> CUDAGraphRunner:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+    # introspection
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    @property
+    def keys(self) -> list[tuple[int, dict]]:
+        return [(bs, dict(ekey)) for bs, ekey in self._graphs]
+
+    @property
+    def pool_ids(self) -> list[tuple[int, PoolId]]:
+        return list(self._pool_ids)
+
+    @property
+    def stats(self) -> RunnerStats:
+        s = self._stats
+        s.fallbacks = {r: self._fallbacks[r] for r in FALLBACK_REASONS if self._fallbacks[r]}
+        if s.pool_id is not None:
+            s.pool_bytes = self.backend.pool_state(s.pool_id, self.device).reserved_bytes
+        return s
+
+    def outputs_alive(self) -> int:
+        """How many static output tensors the runner still holds (0 after release)."""
+        return sum(
+            1 for _, out in self._graphs.values() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)
+        )
