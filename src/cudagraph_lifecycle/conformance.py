@@ -101,7 +101,7 @@ def s_fresh_handle_capture_replay(c: Ctx) -> str:
     return "equal" if torch.allclose(y, x * 2 + 1) else "differ"
 
 
-def _stale(c: Ctx, keep_output: bool, empty_cache: bool) -> str:
+def _stale(c: Ctx, keep_output: bool, empty_cache: bool, host_empty_cache: bool = False) -> str:
     h = c.be.graph_pool_handle()
     g1 = c.be.new_graph()
     y = c.step(g1, h)
@@ -110,6 +110,8 @@ def _stale(c: Ctx, keep_output: bool, empty_cache: bool) -> str:
         del y, g1
     if empty_cache:
         c.be.empty_cache()
+    if host_empty_cache:
+        c.be.host_empty_cache()
     return attempt(lambda: c.step(c.be.new_graph(), h))
 
 
@@ -126,7 +128,20 @@ def s_stale_handle_output_deleted_no_empty_cache(c: Ctx) -> str:
 
 
 def s_stale_handle_output_deleted_empty_cache(c: Ctx) -> str:
+    # the device pool is erased, but the host allocator's ledger still has the id at use_count 0
     return _stale(c, keep_output=False, empty_cache=True)
+
+
+def s_stale_handle_output_deleted_both_caches(c: Ctx) -> str:
+    return _stale(c, keep_output=False, empty_cache=True, host_empty_cache=True)
+
+
+def s_stale_handle_output_alive_both_caches(c: Ctx) -> str:
+    return _stale(c, keep_output=True, empty_cache=True, host_empty_cache=True)
+
+
+def s_stale_handle_host_cache_only(c: Ctx) -> str:
+    return _stale(c, keep_output=False, empty_cache=False, host_empty_cache=True)
 
 
 def s_recreated_pool_keeps_id(c: Ctx) -> str:
@@ -136,6 +151,7 @@ def s_recreated_pool_keeps_id(c: Ctx) -> str:
     del y
     g1.reset()
     c.be.empty_cache()
+    c.be.host_empty_cache()
     gone = c.be.pool_state(h).reserved_bytes == 0
     g2 = c.be.new_graph()
     y2 = c.step(g2, h)  # noqa: F841 - keeps the block, so the segment shows
@@ -158,6 +174,13 @@ def s_poisoned_randn(c: Ctx) -> str:
 def s_poisoned_plain_alloc(c: Ctx) -> str:
     first = _poison(c)
     return f"{first} then {attempt(lambda: c.be.empty(4))}"
+
+
+def s_poisoned_capture_with_random(c: Ctx) -> str:
+    first = _poison(c)
+    x = c.be.empty(N)
+    fn = lambda: torch.randn_like(x)  # noqa: E731
+    return f"{first} then {attempt(lambda: c.capture(c.be.new_graph(), c.be.graph_pool_handle(), fn))}"
 
 
 def s_poisoned_new_handle_capture(c: Ctx) -> str:
@@ -231,6 +254,32 @@ def s_mempool_recapture_output_alive(c: Ctx) -> str:
     y = c.step(g1, mp.id)  # noqa: F841
     g1.reset()
     return attempt(lambda: c.step(c.be.new_graph(), mp.id))
+
+
+def s_mempool_recapture_after_host_empty_cache(c: Ctx) -> str:
+    mp = c.be.mempool(0)
+    g1 = c.be.new_graph()
+    y = c.step(g1, mp.id)  # noqa: F841
+    g1.reset()
+    c.be.host_empty_cache()
+    return attempt(lambda: c.step(c.be.new_graph(), mp.id))
+
+
+def s_torch_graph_context_recaptures_stale_handle(c: Ctx) -> str:
+    # torch.cuda.graph's __enter__ runs synchronize, empty_cache and the host empty_cache
+    h = c.be.graph_pool_handle()
+    g1 = c.be.new_graph()
+    y = c.step(g1, h)
+    g1.reset()
+    del y, g1
+    x = c.tensor()
+    g2 = c.be.new_graph()
+
+    def go():
+        with c.be.graph(g2, pool=h, stream=c.stream):
+            x * 2
+
+    return attempt(go)
 
 
 def s_mempool_del_frees_all(c: Ctx) -> str:
@@ -514,11 +563,16 @@ SCENARIOS: list[Scenario] = [
     Scenario("stale_handle_output_alive", s_stale_handle_output_alive, "assert"),
     Scenario("stale_handle_output_alive_empty_cache", s_stale_handle_output_alive_empty_cache, "assert"),
     Scenario("stale_handle_output_deleted_no_empty_cache", s_stale_handle_output_deleted_no_empty_cache, "assert"),
-    Scenario("stale_handle_output_deleted_empty_cache", s_stale_handle_output_deleted_empty_cache, "ok"),
+    Scenario("stale_handle_output_deleted_empty_cache", s_stale_handle_output_deleted_empty_cache, "assert"),
+    Scenario("stale_handle_output_deleted_both_caches", s_stale_handle_output_deleted_both_caches, "ok"),
+    Scenario("stale_handle_output_alive_both_caches", s_stale_handle_output_alive_both_caches, "assert"),
+    Scenario("stale_handle_host_cache_only", s_stale_handle_host_cache_only, "assert"),
+    Scenario("torch_graph_context_recaptures_stale_handle", s_torch_graph_context_recaptures_stale_handle, "ok"),
     Scenario("recreated_pool_keeps_id", s_recreated_pool_keeps_id, "gone=True back=True same_id=True"),
     Scenario("poisoned_randn", s_poisoned_randn, "assert then poisoned"),
     Scenario("poisoned_plain_alloc", s_poisoned_plain_alloc, "assert then ok"),
-    Scenario("poisoned_new_handle_capture", s_poisoned_new_handle_capture, "assert then poisoned"),
+    Scenario("poisoned_new_handle_capture", s_poisoned_new_handle_capture, "assert then ok"),
+    Scenario("poisoned_capture_with_random", s_poisoned_capture_with_random, "assert then poisoned"),
     Scenario("handles_count_up", s_handles_count_up, "up"),
     Scenario("handle_without_capture_creates_nothing", s_handle_without_capture_creates_nothing, "segments=0"),
     Scenario("capture_without_pool_mints_graph_id", s_capture_without_pool_mints_graph_id, "graph-id"),
@@ -527,7 +581,8 @@ SCENARIOS: list[Scenario] = [
     Scenario("graph_destruction_releases_like_reset", s_graph_destruction_releases_like_reset, "assert"),
     Scenario("mempool_use_count_cycle", s_mempool_use_count_cycle, "1,2,1"),
     Scenario("mempool_two_graphs_use_count", s_mempool_two_graphs_use_count, "3"),
-    Scenario("mempool_recapture_output_alive", s_mempool_recapture_output_alive, "ok"),
+    Scenario("mempool_recapture_output_alive", s_mempool_recapture_output_alive, "assert"),
+    Scenario("mempool_recapture_after_host_empty_cache", s_mempool_recapture_after_host_empty_cache, "ok"),
     Scenario("mempool_del_frees_all", s_mempool_del_frees_all, "2MiB->0MiB"),
     Scenario("mempool_del_output_alive_pins", s_mempool_del_output_alive_pins, "2MiB->0MiB"),
     Scenario("segment_visible_then_gone", s_segment_visible_then_gone, "seen=True after=False"),
@@ -546,7 +601,7 @@ SCENARIOS: list[Scenario] = [
     Scenario("capture_on_default_stream", s_capture_on_default_stream, "default-stream"),
     Scenario("shared_pool_largest_first_smaller", s_shared_pool_largest_first_smaller, "largest-first<=smallest-first: True"),
     Scenario("separate_pools_not_smaller", s_separate_pools_not_smaller, "shared=2MiB separate=8MiB"),
-    Scenario("host_sync_in_capture", s_host_sync_in_capture, "capture-invalidated then ok, use_count=1"),
+    Scenario("host_sync_in_capture", s_host_sync_in_capture, "capture-invalidated then poisoned, use_count=2"),
     Scenario("autograd_clone_pins_pool", s_autograd_clone_pins_pool, "2MiB->0MiB"),
     Scenario("no_grad_clone_does_not_pin", s_no_grad_clone_does_not_pin, "0MiB"),
     Scenario("runner_release_clean", s_runner_release_clean, "equal=True clean=True"),

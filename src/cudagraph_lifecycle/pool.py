@@ -143,6 +143,18 @@ class LazyPool:
             entry = self._pools.get(device)
             return None if entry is None else entry[0]
 
+    def use_count(self, device: int = 0) -> int | None:
+        """The allocator's use count of the device's current pool, where it can be read (else None)."""
+        with self._lock:
+            self._after_fork_check()
+            entry = self._pools.get(device)
+            if entry is None:
+                return None
+            pool_id, owner = entry
+            if owner is not None:
+                return int(owner.use_count())
+            return self.backend.pool_state(pool_id, device).use_count
+
     def devices(self) -> list[int]:
         with self._lock:
             self._after_fork_check()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import time
+import traceback
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
@@ -28,6 +29,16 @@ ExtraKey = tuple[tuple[str, Any], ...]
 
 def _extra_key(extra: Mapping[str, Any]) -> ExtraKey:
     return tuple(sorted(extra.items()))
+
+
+def _drop_frames(exc: BaseException | None) -> None:
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if exc.__traceback__ is not None:
+            traceback.clear_frames(exc.__traceback__)
+        exc.__traceback__ = None
+        exc = exc.__context__ or exc.__cause__
 
 
 def validate_batch_sizes(batch_sizes: Iterable[int]) -> list[int]:
@@ -189,7 +200,7 @@ class CUDAGraphRunner:
         self._captured = True
         dev = self.backend.torch_device(self.device)
         self._static_in = torch.zeros((self.batch_sizes[-1], *self.feature_shape), dtype=self.dtype, device=dev)
-        self._stream = self.backend.new_stream(self.device)
+        self._stream = self.backend.capture_stream(self.device)
         pool_id = self.pool.acquire(self.device)
         self.pool.check_capturable(pool_id, self.device)
         self._pool_ids.append((self.device, pool_id))
@@ -204,6 +215,7 @@ class CUDAGraphRunner:
         x = self._static_in[:bs]
         kwargs = dict(ekey)
         graph = be.new_graph()
+        uses_before = self.pool.use_count(self.device)
         err: BaseException | None = None
         out = None
         with torch.no_grad():
@@ -228,10 +240,18 @@ class CUDAGraphRunner:
                         err = err or e
                 self._stats.capture_ms += (time.perf_counter() - t0) * 1e3
         if err is not None:
-            # The failed graph gives its pool reference back now; the pool stays consistent.
             graph.reset()
+            # torch 2.11: a capture that failed at capture_end keeps its pool reference through reset()
+            # (measured: MemPool use_count 2 after reset). Give it back, where the count can be read,
+            # so release() can still free the pool.
+            uses_after = self.pool.use_count(self.device)
+            if uses_before is not None and uses_after is not None and uses_after > uses_before:
+                be.release_pool_reference(pool_id, self.device)
             out = None
             msg = f"batch {bs} {dict(ekey)}: {type(err).__name__}: {err}"
+            # The traceback's frames hold the capture's temporaries, which would pin the pool: drop them.
+            _drop_frames(err)
+            del err
             self._failed[ekey] = msg
             self._stats.capture_failures += 1
             self._stats.failures.append(msg)
@@ -316,6 +336,7 @@ class CUDAGraphRunner:
             if self._owns_pool:
                 self.pool.retire()
             be.empty_cache()
+            be.host_empty_cache()  # the host allocator keeps its own ledger of the pool's id
             states = tuple(be.pool_state(pid, dev) for dev, pid in self._pool_ids)
             self._release_report = ReleaseReport(states, reserved_before, be.memory_reserved(self.device))
         report = self._release_report

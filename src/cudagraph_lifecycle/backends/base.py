@@ -98,6 +98,14 @@ class Backend(ABC):
     @abstractmethod
     def stream(self, stream: Any) -> contextlib.AbstractContextManager: ...
 
+    def capture_stream(self, device: int = 0) -> Any:
+        """One capture stream per device for the whole process: every new stream gets its own library
+        workspaces (cuBLAS), so a stream per engine grows reserved memory engine after engine."""
+        streams = self.__dict__.setdefault("_capture_streams", {})
+        if device not in streams:
+            streams[device] = self.new_stream(device)
+        return streams[device]
+
     @abstractmethod
     def graph(self, graph: Any, pool: PoolId | None = None, stream: Any = None) -> contextlib.AbstractContextManager:
         """``torch.cuda.graph`` semantics: synchronize, empty_cache, then capture on ``stream``."""
@@ -106,7 +114,16 @@ class Backend(ABC):
     def synchronize(self, device: int | None = None) -> None: ...
 
     @abstractmethod
-    def empty_cache(self) -> None: ...
+    def empty_cache(self) -> None:
+        """``torch.cuda.empty_cache``: frees device segments; erases freeable device pools with none left."""
+
+    @abstractmethod
+    def host_empty_cache(self) -> None:
+        """``torch._C._host_emptyCache``: erases the host allocator's graph pools at use_count 0."""
+
+    @abstractmethod
+    def release_pool_reference(self, pool_id: PoolId, device: int = 0) -> None:
+        """Give back one device reference to a pool (``torch._C._cuda_releasePool``)."""
 
     # books
     @abstractmethod

@@ -69,6 +69,14 @@ class CudaBackend(Backend):
     def empty_cache(self) -> None:
         torch.cuda.empty_cache()
 
+    def host_empty_cache(self) -> None:
+        fn = getattr(torch._C, "_host_emptyCache", None)
+        if fn is not None:
+            fn()
+
+    def release_pool_reference(self, pool_id: PoolId, device: int = 0) -> None:
+        torch._C._cuda_releasePool(device, tuple(pool_id))
+
     # books
     def _segments(self, device: int) -> list[dict]:
         return [s for s in torch.cuda.memory_snapshot() if s.get("device") == device]

@@ -7,7 +7,14 @@ The rules (c10/cuda/CUDACachingAllocator.cpp; DESIGN.md §1), nothing looser:
 * graph reset or destruction: use_count -= 1; at 0 the pool becomes *freeable*;
 * ``empty_cache`` releases the fully free segments of freeable pools and erases a pool once it holds no
   segment; a live block pins its whole segment, and so its pool;
-* a MemPool holds one reference of its own, so its pool never reaches 0 while the object lives.
+* a MemPool holds one reference of its own, so its pool never reaches 0 while the object lives;
+* torch 2.11 keeps a second ledger of graph pools in the *host* caching allocator: a capture increfs the id
+  there too (after the device incref), reset decrefs it, and only ``torch._C._host_emptyCache()`` erases a
+  host pool at 0 (``torch.cuda.graph`` calls it; ``torch.cuda.empty_cache`` does not). A MemPool holds no
+  host reference. A capture into an id whose host pool is at 0 asserts like the device one;
+* after such an assert the CUDA RNG is poisoned (random ops fail; other allocations and captures work);
+* a capture invalidated by a host sync (``.item()``) raises at ``capture_end``; ``reset()`` then gives back
+  neither pool reference, and the RNG is poisoned.
 
 What a capture allocated is observed, not assumed: a ``TorchDispatchMode`` active during the capture sees
 every tensor the forward creates; a storage born inside the capture is a block of the pool, and a weak
@@ -46,6 +53,10 @@ ASSERT_MESSAGE = (
     'it->second->use_count > 0 INTERNAL ASSERT FAILED at "c10/cuda/CUDACachingAllocator.cpp" '
     "(simulated by cudagraph_lifecycle.sim), please report a bug to PyTorch."
 )
+HOST_ASSERT_MESSAGE = (
+    'it->second->use_count > 0 INTERNAL ASSERT FAILED at "ATen/core/CachingHostAllocator.h" '
+    "(simulated by cudagraph_lifecycle.sim), please report a bug to PyTorch."
+)
 POISON_MESSAGE = "Offset increment outside graph capture encountered unexpectedly."
 CAPTURE_SYNC_MESSAGE = "CUDA error: operation not permitted when stream is capturing (simulated)"
 CAPTURE_INVALIDATED_MESSAGE = (
@@ -59,6 +70,16 @@ REPLAY_MESSAGE = "Called CUDAGraph::replay without a preceding successful captur
 
 # Ops that need the host to wait for the device: illegal while a stream is capturing.
 _HOST_SYNC_OPS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default}
+# Ops that draw from the device RNG: they fail once the RNG is poisoned.
+_RANDOM_OP_NAMES = {
+    "randn", "rand", "randint", "randn_like", "rand_like", "randint_like", "normal", "uniform",
+    "bernoulli", "multinomial", "randperm", "native_dropout", "exponential", "geometric", "log_normal",
+    "cauchy", "random",
+}
+
+
+def _is_random(func) -> bool:
+    return func.overloadpacket.__name__.rstrip("_") in _RANDOM_OP_NAMES
 
 
 def round_size(nbytes: int) -> int:
@@ -195,6 +216,8 @@ class _CaptureMode(TorchDispatchMode):
         if func in _HOST_SYNC_OPS:
             g._invalidated = True
             raise RuntimeError(CAPTURE_SYNC_MESSAGE)
+        if g._backend.poisoned and _is_random(func):
+            raise RuntimeError(g._backend.poisoned)
         flat_in, _ = tree_flatten((args, kwargs))
         in_keys = {_storage_key(t) for t in flat_in if isinstance(t, torch.Tensor)}
         out = func(*args, **kwargs)
@@ -245,7 +268,6 @@ class SimGraph:
     # capture
     def capture_begin(self, pool: PoolId | None = None, capture_error_mode: str = "global") -> None:
         be = self._backend
-        be._check_not_poisoned()
         stream = be._current_stream
         if stream.default:
             raise RuntimeError(DEFAULT_STREAM_MESSAGE)
@@ -256,6 +278,7 @@ class SimGraph:
         device = stream.device
         pool_id = tuple(pool) if pool is not None and tuple(pool) != (0, 0) else be._next_graph_pool_id()
         be._incref_pool(pool_id, device, create=True)  # may assert and poison
+        be._incref_host_pool(pool_id)  # after the device incref: a host assert leaks that reference
         self._pool, self._device = pool_id, device
         self._invalidated = False
         self._ops = []
@@ -270,15 +293,16 @@ class SimGraph:
         self._mode.__exit__(None, None, None)
         self._mode = None
         be._capturing = None
-        self._captured = True  # the pool reference is now the graph's, released by reset()
         if self._invalidated:
+            # torch 2.11: the graph never counts as captured, so reset() gives no pool reference back,
+            # and the RNG's capture bookkeeping is left open.
             self._ops = []
+            be.poisoned = POISON_MESSAGE
             raise RuntimeError(CAPTURE_INVALIDATED_MESSAGE)
+        self._captured = True  # the pool references are now the graph's, given back by reset()
         self._replayable = True
 
     def replay(self) -> None:
-        be = self._backend
-        be._check_not_poisoned()
         if not self._replayable:
             raise RuntimeError(REPLAY_MESSAGE)
         env: dict[int, torch.Tensor] = {}
@@ -300,6 +324,7 @@ class SimGraph:
             self._replayable = False
             self._ops = []
             self._backend._decref_pool(self._pool, self._device)
+            self._backend._decref_host_pool(self._pool)
 
     def pool(self) -> PoolId:
         if self._pool is None:
@@ -337,6 +362,7 @@ class SimBackend(Backend):
         self._lock = threading.RLock()
         self._pools: dict[tuple[int, PoolId], _Pool] = {}
         self._freeable: set[tuple[int, PoolId]] = set()
+        self._host_pools: dict[PoolId, int] = {}  # the host allocator's ledger: id -> use_count
         self._user_ids = itertools.count(1)  # graph_pool_handle() and MemPool: (0, n)
         self._graph_ids = itertools.count(1)  # a capture with no pool: (n, 0)
         self._default_streams = [SimStream(d, default=True) for d in range(devices)]
@@ -390,6 +416,27 @@ class SimBackend(Backend):
                 self.poisoned = POISON_MESSAGE
                 raise RuntimeError(ASSERT_MESSAGE)
             pool.use_count += 1
+
+    def _incref_host_pool(self, pool_id: PoolId) -> None:
+        with self._lock:
+            count = self._host_pools.get(pool_id)
+            if count is None:
+                self._host_pools[pool_id] = 1
+                return
+            if count <= 0:
+                self.poisoned = POISON_MESSAGE
+                raise RuntimeError(HOST_ASSERT_MESSAGE)
+            self._host_pools[pool_id] = count + 1
+
+    def _decref_host_pool(self, pool_id: PoolId) -> None:
+        with self._lock:
+            self._host_pools[pool_id] -= 1
+
+    def host_empty_cache(self) -> None:
+        """``torch._C._host_emptyCache()``: erase host pools at use_count 0 (captures hold no host block)."""
+        with self._lock:
+            for pid in [p for p, n in self._host_pools.items() if n == 0]:
+                del self._host_pools[pid]
 
     def _decref_pool(self, pool_id: PoolId, device: int) -> None:
         with self._lock:
@@ -456,6 +503,7 @@ class SimBackend(Backend):
     def graph(self, graph: SimGraph, pool: PoolId | None = None, stream: SimStream | None = None):
         self.synchronize()
         self.empty_cache()
+        self.host_empty_cache()
         stream = stream or SimStream(self.current_device())
         with self.stream(stream):
             graph.capture_begin(pool)
@@ -524,3 +572,6 @@ class SimBackend(Backend):
     def empty(self, *shape: int, device: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         self.check_device(device)
         return torch.empty(*shape, dtype=dtype)
+
+    def release_pool_reference(self, pool_id: PoolId, device: int = 0) -> None:
+        self._decref_pool(tuple(pool_id), device)

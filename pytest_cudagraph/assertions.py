@@ -1,0 +1,58 @@
+"""Fresh-pool and released-pool checks, usable in any test (no fixture needed)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cudagraph_lifecycle.backends import Backend
+
+
+class EngineCycleError(AssertionError):
+    """An engine cycle in a reused worker failed: not fresh, crashed, or the allocator asserted."""
+
+
+def assert_pool_released(backend: Backend, pool_id, device: int = 0) -> None:
+    """The pool has no graph left (use count 0 or unreadable) and holds no segment.
+
+    Run ``empty_cache`` first if you want freeable segments gone; drop or copy out any output view you
+    still hold, or it pins its segment.
+    """
+    st = backend.pool_state(pool_id, device)
+    problems = []
+    if st.use_count:
+        problems.append(f"use_count is {st.use_count}: a graph captured into it was never reset")
+    if st.reserved_bytes:
+        problems.append(
+            f"it still holds {st.reserved_bytes} bytes in {st.segments} segment(s): a tensor allocated in the "
+            "capture is alive (an output you hold, or a clone with autograd history)"
+        )
+    if problems:
+        raise AssertionError(f"pool {tuple(pool_id)} on device {device} is not released: " + "; ".join(problems))
+
+
+def assert_no_graphs(runner: Any) -> None:
+    """A runner (or engine with ``.runner``) holds no graph and no output after release."""
+    runner = getattr(runner, "runner", runner)
+    if runner.keys or runner.outputs_alive():
+        raise AssertionError(
+            f"runner {runner.name!r} still holds {len(runner.keys)} graph(s) and {runner.outputs_alive()} "
+            "output(s): call release()"
+        )
+
+
+def assert_fresh_pool(backend: Backend, pool_id, previous: list | tuple = (), device: int = 0) -> None:
+    """``pool_id`` is new to this process and every ``previous`` pool id is released."""
+    previous = [tuple(p) for p in previous]
+    if tuple(pool_id) in previous:
+        raise AssertionError(f"pool {tuple(pool_id)} was already used by an earlier engine: it is not fresh")
+    for p in previous:
+        assert_pool_released(backend, p, device)
+
+
+def check_record(rec: dict) -> None:
+    """Raise :class:`EngineCycleError` if an engine cycle record is not fresh."""
+    if not rec.get("fresh"):
+        raise EngineCycleError(
+            f"engine {rec['index']} in worker pid {rec['pid']} (pools {rec['pool_ids']}) is not fresh: "
+            + "; ".join(rec.get("problems") or ["no reason recorded"])
+        )

@@ -1,0 +1,138 @@
+"""Fixtures for engine authors: reused workers in three scopes, and engine sequences with fresh-pool checks."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from cudagraph_lifecycle.cycle import drop_held, run_cycle
+from cudagraph_lifecycle.errors import ConfigError
+
+from .assertions import EngineCycleError, check_record
+from .worker import RemoteError, ReusedWorker, WorkerCrashed, WorkerTimeout
+
+SCOPES = ("function", "module", "session")
+PROPERTY = "cudagraph_cycles"
+
+
+def _settings(config: pytest.Config) -> dict[str, Any]:
+    from .plugin import SETTINGS_KEY
+
+    return config.stash[SETTINGS_KEY]
+
+
+def _new_worker(config: pytest.Config, name: str) -> ReusedWorker:
+    s = _settings(config)
+    return ReusedWorker(start_method=s["start_method"], timeout=s["timeout"] or None, name=name)
+
+
+@pytest.fixture(scope="session")
+def cudagraph_backend_name(pytestconfig: pytest.Config) -> str:
+    """The backend name workers use (``auto``, ``cuda`` or ``sim``), from --cudagraph-backend."""
+    return _settings(pytestconfig)["backend"]
+
+
+@pytest.fixture
+def cudagraph_worker(pytestconfig: pytest.Config):
+    """A reused worker for one test: state persists across its calls, and it is gone after the test."""
+    w = _new_worker(pytestconfig, "function")
+    yield w
+    w.close()
+
+
+@pytest.fixture(scope="module")
+def cudagraph_module_worker(pytestconfig: pytest.Config):
+    """A reused worker shared by the tests of one module, like a module-scoped MPI pool."""
+    w = _new_worker(pytestconfig, "module")
+    yield w
+    w.close()
+
+
+@pytest.fixture(scope="session")
+def cudagraph_session_worker(pytestconfig: pytest.Config):
+    """A reused worker for the whole session (per xdist worker)."""
+    w = _new_worker(pytestconfig, "session")
+    yield w
+    w.close()
+
+
+class EngineSequence:
+    """``engine_sequence(factory, n)``: n engines one after another in ONE reused worker.
+
+    Each engine is built by ``factory(backend)`` in the worker, captured, replayed against eager, released,
+    and checked for a fresh pool; the records go to the terminal summary and the JSON report. A failed
+    check, a crash or the allocator's assert raises :class:`EngineCycleError` naming the engine.
+    """
+
+    def __init__(self, request: pytest.FixtureRequest, default_n: int, worker: ReusedWorker, backend: str):
+        self._request = request
+        self._default_n = default_n
+        self.worker = worker
+        self.backend = backend
+        self.records: list[dict] = []
+
+    def _publish(self) -> None:
+        props = self._request.node.user_properties
+        props[:] = [p for p in props if p[0] != PROPERTY]
+        props.append((PROPERTY, json.dumps(self.records)))
+
+    def __call__(
+        self, factory: Callable[[Any], Any], n: int | None = None, *, check: bool = True, hold_output: bool = True,
+        atol: float = 1e-4,
+    ) -> list[dict]:
+        n = self._default_n if n is None else n
+        if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
+            raise ConfigError(f"engine_sequence needs n >= 1 engines, got {n!r}")
+        if not callable(factory):
+            raise ConfigError(f"engine_sequence needs a factory callable(backend) -> engine, got {factory!r}")
+        start = len(self.records)
+        try:
+            for i in range(start, start + n):
+                try:
+                    rec = self.worker.call(run_cycle, factory, self.backend, i, atol, hold_output).as_dict()
+                except (RemoteError, WorkerCrashed, WorkerTimeout) as e:
+                    kind = type(e).__name__
+                    first = str(e).strip().splitlines()[0] if str(e).strip() else kind
+                    self.records.append({
+                        "index": i, "pid": self.worker.pid, "backend": self.backend, "pool_ids": [],
+                        "fresh": False, "problems": [f"{kind}: {first}"],
+                    })
+                    self._publish()
+                    raise EngineCycleError(f"engine {i} of the sequence failed in the reused worker: {e}") from None
+                self.records.append(rec)
+                self._publish()
+                if check:
+                    check_record(rec)
+            left = self.worker.call(drop_held, self.backend)
+            if check and left:
+                raise EngineCycleError(f"the last engine's pools still hold {left} bytes once its output was dropped")
+        finally:
+            self._publish()
+        return self.records[start:]
+
+
+@pytest.fixture
+def engine_sequence(request: pytest.FixtureRequest, pytestconfig: pytest.Config) -> EngineSequence:
+    """Run engines in sequence in one reused worker; see :class:`EngineSequence`.
+
+    ``@pytest.mark.cudagraph_engines(n, scope="function"|"module"|"session")`` sets the default engine count
+    and which worker holds them (a module or session worker keeps state across tests).
+    """
+    marker = request.node.get_closest_marker("cudagraph_engines")
+    n, scope = 3, "function"
+    if marker is not None:
+        if marker.args:
+            n = marker.args[0]
+        n = marker.kwargs.get("n", n)
+        scope = marker.kwargs.get("scope", scope)
+    if scope not in SCOPES:
+        raise ConfigError(f"cudagraph_engines(scope={scope!r}): choose one of {', '.join(SCOPES)}")
+    if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
+        raise ConfigError(f"cudagraph_engines(n={n!r}): give a positive int number of engines")
+    name = {"function": "cudagraph_worker", "module": "cudagraph_module_worker",
+            "session": "cudagraph_session_worker"}[scope]
+    worker = request.getfixturevalue(name)
+    return EngineSequence(request, n, worker, _settings(pytestconfig)["backend"])

@@ -1,0 +1,192 @@
+"""One engine cycle in a reused process: build, capture, replay checked against eager, release, and
+the fresh-pool check. Pure library code: the pytest plugin runs it inside its reused workers.
+
+An *engine* is any object with ``capture()``, ``run(x)`` and ``release()``; optional ``eager(x)`` (the
+reference for the replay check), ``example_input()``, and either ``runner`` (a CUDAGraphRunner) or
+``pool_ids()`` (a list of ``(device, pool_id)``) so the check knows which pools to read.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from .backends import Backend, get_backend
+from .errors import ConfigError
+
+_backends: dict[str, Backend] = {}
+_seen_pools: dict[Any, set] = {}  # pool ids this process has used, per allocator world
+_held: dict[Any, tuple[Any, list]] = {}  # the last engine's output a caller still holds, per world
+_pid = os.getpid()
+
+
+def process_backend(name: str) -> Backend:
+    """The one backend of this process for ``name``: engines built in sequence share its allocator."""
+    global _pid
+    if os.getpid() != _pid:  # a forked child has none of its parent's allocator
+        _pid = os.getpid()
+        _backends.clear()
+        _seen_pools.clear()
+        _held.clear()
+    if name not in _backends:
+        be = get_backend(name)
+        _backends[name] = be
+        _backends[be.name] = be
+    return _backends[name]
+
+
+@dataclass
+class CycleRecord:
+    index: int
+    pid: int
+    backend: str
+    pool_ids: list[list] = field(default_factory=list)
+    graphs: int = 0
+    capture_ms: float = 0.0
+    replay_max_abs_err: float | None = None
+    bytes_before_release: int = 0
+    bytes_after_release: int = 0
+    bytes_pinned_by_held_output: int = 0
+    previous_pool_freed: bool | None = None
+    reserved_baseline: int = 0
+    reserved_after: int = 0
+    fresh: bool = False
+    problems: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _engine_pools(engine: Any) -> list[tuple[int, tuple]]:
+    runner = getattr(engine, "runner", None)
+    if runner is not None and hasattr(runner, "pool_ids"):
+        return [(d, tuple(p)) for d, p in runner.pool_ids]
+    fn = getattr(engine, "pool_ids", None)
+    if callable(fn):
+        return [(d, tuple(p)) for d, p in fn()]
+    return []
+
+
+def _graph_count(engine: Any) -> int:
+    runner = getattr(engine, "runner", None)
+    if runner is not None:
+        return len(runner.keys)
+    n = getattr(engine, "num_graphs", None)
+    return int(n() if callable(n) else n or 0)
+
+
+def _max_err(a: Any, b: Any) -> float:
+    fa = [t for t in tree_flatten(a)[0] if isinstance(t, torch.Tensor)]
+    fb = [t for t in tree_flatten(b)[0] if isinstance(t, torch.Tensor)]
+    if len(fa) != len(fb):
+        raise ConfigError(f"replay returned {len(fa)} tensors, eager {len(fb)}")
+    return max((float((x.float() - y.float()).abs().max()) for x, y in zip(fa, fb)), default=0.0)
+
+
+def _pool_bytes(be: Backend, pools) -> int:
+    return sum(be.pool_state(p, d).reserved_bytes for d, p in pools)
+
+
+def _settle(be: Backend) -> None:
+    be.synchronize()
+    be.empty_cache()
+
+
+def run_cycle(
+    factory: Callable[[Backend], Any],
+    backend: str = "auto",
+    index: int = 0,
+    atol: float = 1e-4,
+    hold_output: bool = True,
+) -> CycleRecord:
+    """Build one engine with ``factory(backend)``, exercise it, release it, and check the pools.
+
+    With ``hold_output`` the cycle plays a caller that keeps the engine's last output (a view into the
+    pool) until the *next* engine has captured: the hazard that turns a kept pool id into the allocator's
+    assert. The check separates bytes pinned by that held output (expected, reported) from bytes the
+    engine leaked (a problem): the previous pool must be empty once the held output is dropped.
+    """
+    be = process_backend(backend)
+    world = be.world
+    seen = _seen_pools.setdefault(world, set())
+    prev_out, prev_pools = _held.pop(world, (None, []))
+    _settle(be)
+    rec = CycleRecord(index=index, pid=os.getpid(), backend=be.name)
+    dev = 0
+    rec.reserved_baseline = be.memory_reserved(dev) - _pool_bytes(be, prev_pools)
+    engine = factory(be)
+    for name in ("capture", "run", "release"):
+        if not callable(getattr(engine, name, None)):
+            raise ConfigError(
+                f"the factory returned {type(engine).__name__}, which has no {name}(): an engine needs "
+                "capture(), run(x) and release() (see cudagraph_lifecycle.cycle)"
+            )
+    t0 = time.perf_counter()
+    engine.capture()  # the previous engine's output is still held here, as a caller would hold it
+    rec.capture_ms = (time.perf_counter() - t0) * 1e3
+    del prev_out
+    if prev_pools:
+        _settle(be)
+        left = _pool_bytes(be, prev_pools)
+        rec.previous_pool_freed = left == 0
+        if left:
+            rec.problems.append(f"the previous engine's pools {[p for _, p in prev_pools]} still hold {left} bytes")
+    x = engine.example_input() if hasattr(engine, "example_input") else None
+    y = None
+    if x is not None:
+        y = engine.run(x)
+        if hasattr(engine, "eager"):
+            rec.replay_max_abs_err = _max_err(y, engine.eager(x))
+            if rec.replay_max_abs_err > atol:
+                rec.problems.append(f"replay differs from eager by {rec.replay_max_abs_err:.3g} > atol {atol}")
+    pools = _engine_pools(engine)
+    rec.pool_ids = [[d, list(p)] for d, p in pools]
+    rec.graphs = _graph_count(engine)
+    for d, p in pools:
+        if (d, p) in seen:
+            rec.problems.append(f"pool {p} on device {d} was already used by an earlier engine in this process")
+        seen.add((d, p))
+    rec.bytes_before_release = _pool_bytes(be, pools)
+    engine.release()
+    del engine, x
+    if not hold_output:
+        y = None
+    _settle(be)
+    for d, p in pools:
+        st = be.pool_state(p, d)
+        rec.bytes_after_release += st.reserved_bytes
+        if st.use_count:
+            rec.problems.append(f"pool {p} still has use_count {st.use_count} after release (a graph was not reset)")
+    if y is not None:
+        rec.bytes_pinned_by_held_output = rec.bytes_after_release
+        _held[world] = (y, pools)
+    elif rec.bytes_after_release:
+        rec.problems.append(
+            f"pools {[p for _, p in pools]} still hold {rec.bytes_after_release} bytes after release: "
+            "the engine keeps a tensor from its pool alive"
+        )
+    rec.reserved_after = be.memory_reserved(dev) - rec.bytes_pinned_by_held_output
+    if rec.reserved_after > rec.reserved_baseline:
+        rec.problems.append(
+            f"reserved memory {rec.reserved_after} bytes is above the pre-engine baseline {rec.reserved_baseline}"
+        )
+    if not pools:
+        rec.problems.append("the engine exposes no pool (give it a `runner` or a `pool_ids()` method)")
+    rec.fresh = not rec.problems
+    return rec
+
+
+def drop_held(backend: str = "auto") -> int:
+    """End of a sequence: drop the held output and return the bytes its pools still hold (0 when clean)."""
+    be = process_backend(backend)
+    held = _held.pop(be.world, (None, []))
+    pools = held[1]
+    del held  # the output goes now: nothing here may keep it
+    _settle(be)
+    return _pool_bytes(be, pools)
