@@ -8,6 +8,7 @@ parent has not touched CUDA, and spawns (cloudpickle for closures and lambdas) w
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import multiprocessing as mp
 import os
 import signal
@@ -103,6 +104,8 @@ def _child_main(conn, stderr_path: str, sys_path: list[str], env: dict[str, str]
     os.dup2(fd, 2)
     os.close(fd)
     sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
+    # A fatal signal dumps the worker's Python stack into its own stderr, which the crash report quotes.
+    faulthandler.enable(file=sys.stderr)
     sys.path[:] = sys_path
     os.environ.update(env)
     os.environ["CUDAGRAPH_WORKER"] = "1"

@@ -39,7 +39,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from .base import MiB, Backend, PoolId, PoolState
+from .base import Backend, MiB, PoolId, PoolState
 
 # Size classes of the caching allocator.
 MIN_BLOCK = 512

@@ -1,0 +1,260 @@
+"""The plugin through pytester, in subprocesses (workers fork)."""
+
+import json
+import os
+
+import pytest
+
+ENGINES = '''
+import os, torch
+from cudagraph_lifecycle import CUDAGraphRunner
+
+class Engine:
+    def __init__(self, backend):
+        self.runner = CUDAGraphRunner(lambda x: torch.relu(x * 2), [1, 2, 4], (8,), backend=backend)
+        self.dev = backend.torch_device(0)
+    def capture(self): self.runner.capture()
+    def run(self, x): return self.runner.run(x)
+    def eager(self, x): return torch.relu(x * 2)
+    def example_input(self): return torch.randn(3, 8, device=self.dev)
+    def release(self): self.runner.release()
+
+def good(backend): return Engine(backend)
+
+def crash_in_capture(backend):
+    e = Engine(backend)
+    e.capture = lambda: os.abort()
+    return e
+
+def factory_raises(backend):
+    raise ValueError("no weights found at /nowhere")
+
+class Leaky(Engine):
+    kept = []
+    def release(self):
+        Leaky.kept.append(self.runner.run(self.example_input()))  # keeps a view of the pool
+        self.runner.release()
+
+def leaky(backend): return Leaky(backend)
+'''
+
+
+def run(pytester, *args):
+    pytester.makepyfile(engines_mod=ENGINES)
+    return pytester.runpytest_subprocess("-p", "cudagraph", "-p", "no:cacheprovider", *args)
+
+
+def test_engine_sequence_summary_and_report(pytester):
+    pytester.makepyfile(test_a='''
+        from engines_mod import good
+        def test_seq(engine_sequence):
+            recs = engine_sequence(good, 3)
+            assert [r["fresh"] for r in recs] == [True] * 3
+    ''')
+    report = pytester.path / "out" / "r.json"
+    report.parent.mkdir()
+    res = run(pytester, f"--cudagraph-report={report}")
+    res.assert_outcomes(passed=1)
+    res.stdout.fnmatch_lines(["*cudagraph lifecycle*", "*test_seq*yes*", "3 engine cycles, 3 fresh, 0 not fresh*"])
+    data = json.loads(report.read_text())
+    assert data["totals"] == {"tests": 1, "cycles": 3, "fresh": 3, "not_fresh": 0}
+    (t,) = data["tests"]
+    assert t["outcome"] == "passed" and len(t["cycles"]) == 3
+    assert len({c["pid"] for c in t["cycles"]}) == 1 and data["meta"]["effective_backend"] == "sim"
+
+
+def test_junit_xml_has_the_cycles(pytester):
+    pytester.makepyfile(test_a='''
+        from engines_mod import good
+        def test_seq(engine_sequence):
+            engine_sequence(good, 2)
+    ''')
+    res = run(pytester, "--junitxml=j.xml")
+    res.assert_outcomes(passed=1)
+    assert 'property name="cudagraph_cycles"' in (pytester.path / "j.xml").read_text()
+
+
+@pytest.mark.parametrize("where", ["setup", "call", "teardown"])
+def test_worker_crash_fails_only_that_test(pytester, where):
+    pytester.makepyfile(test_a=f'''
+        import os, pytest
+
+        @pytest.fixture
+        def crashing(cudagraph_worker):
+            if "{where}" == "setup":
+                cudagraph_worker.call(os.abort)
+            yield cudagraph_worker
+            if "{where}" == "teardown":
+                cudagraph_worker.call(os.abort)
+
+        def test_crash(crashing):
+            if "{where}" == "call":
+                crashing.call(os.abort)
+
+        def test_after(cudagraph_worker):
+            assert cudagraph_worker.call(os.getpid) != os.getpid()
+    ''')
+    res = run(pytester)
+    outcomes = {"setup": dict(errors=1, passed=1), "call": dict(failed=1, passed=1),
+                "teardown": dict(errors=1, passed=2)}[where]
+    res.assert_outcomes(**outcomes)
+    res.stdout.fnmatch_lines(["*WorkerCrashed*killed by signal SIGABRT*"])
+
+
+def test_crash_inside_engine_sequence_is_reported(pytester):
+    pytester.makepyfile(test_a='''
+        from engines_mod import crash_in_capture
+        def test_seq(engine_sequence):
+            engine_sequence(crash_in_capture, 2)
+    ''')
+    res = run(pytester)
+    res.assert_outcomes(failed=1)
+    res.stdout.fnmatch_lines(["*EngineCycleError: engine 0 of the sequence failed*SIGABRT*", "*NO*",
+                              "*WorkerCrashed*"])
+
+
+def test_timeout(pytester):
+    pytester.makepyfile(test_a='''
+        import time
+        def test_slow(cudagraph_worker):
+            cudagraph_worker.call(time.sleep, 60)
+    ''')
+    res = run(pytester, "--cudagraph-timeout=1")
+    res.assert_outcomes(failed=1)
+    res.stdout.fnmatch_lines(["*WorkerTimeout*past the timeout of 1s*"])
+
+
+def test_leaky_engine_is_not_fresh(pytester):
+    pytester.makepyfile(test_a='''
+        from engines_mod import leaky
+        def test_seq(engine_sequence):
+            engine_sequence(leaky, 2, hold_output=False)
+    ''')
+    res = run(pytester)
+    res.assert_outcomes(failed=1)
+    res.stdout.fnmatch_lines(["*not fresh*keeps a tensor from its pool alive*"])
+
+
+def test_factory_error_and_bad_n(pytester):
+    pytester.makepyfile(test_a='''
+        import pytest
+        from cudagraph_lifecycle import ConfigError
+        from engines_mod import factory_raises, good
+        def test_raises(engine_sequence):
+            engine_sequence(factory_raises, 1)
+        @pytest.mark.parametrize("n", [0, -1, 1.5])
+        def test_bad_n(engine_sequence, n):
+            with pytest.raises(ConfigError, match="n >= 1"):
+                engine_sequence(good, n)
+    ''')
+    res = run(pytester)
+    res.assert_outcomes(failed=1, passed=3)
+    res.stdout.fnmatch_lines(["*no weights found at /nowhere*"])
+
+
+def test_spawn_start_method(pytester):
+    pytester.makepyfile(test_a='''
+        import sys
+        from engines_mod import good
+        def test_seq(engine_sequence):
+            assert engine_sequence.worker.start_method == "spawn"
+            assert all(r["fresh"] for r in engine_sequence(good, 2))
+    ''')
+    res = run(pytester, "--cudagraph-start-method=spawn")
+    res.assert_outcomes(passed=1)
+    res.stdout.fnmatch_lines(["*workers start by spawn*"])
+
+
+def test_unpicklable_closure_under_spawn(pytester):
+    pytester.makepyfile(test_a='''
+        import threading
+        def test_closure(cudagraph_worker):
+            lock = threading.Lock()
+            cudagraph_worker.call(lambda: lock.locked())
+    ''')
+    res = run(pytester, "--cudagraph-start-method=spawn")
+    res.assert_outcomes(failed=1)
+    res.stdout.fnmatch_lines(["*UnpicklableCallableError*module-level function*"])
+
+
+def test_require_gpu_without_gpu_stops_the_session(pytester):
+    pytester.makepyfile(test_a="def test_x(): pass")
+    res = run(pytester, "--cudagraph-require-gpu")
+    assert res.ret == pytest.ExitCode.USAGE_ERROR
+    res.stderr.fnmatch_lines(["*--cudagraph-require-gpu: no usable GPU*"])
+
+
+def test_gpu_marker_skips_without_gpu(pytester):
+    pytester.makepyfile(test_a='''
+        import pytest
+        @pytest.mark.gpu
+        def test_needs_gpu(): pass
+    ''')
+    run(pytester).assert_outcomes(skipped=1)
+
+
+@pytest.mark.parametrize(
+    "args, env, message",
+    [(["--cudagraph-backend=tpu"], {}, "*--cudagraph-backend='tpu' is not one of*"),
+     ([], {"CUDAGRAPH_TIMEOUT": "soon"}, "*CUDAGRAPH_TIMEOUT='soon' is not a number*"),
+     (["--cudagraph-report=/nonexistent/dir/r.json"], {}, "*folder /nonexistent/dir does not exist*"),
+     (["--cudagraph-start-method=thread"], {}, "*is not one of*")],
+)
+def test_bad_options(pytester, monkeypatch, args, env, message):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    pytester.makepyfile(test_a="def test_x(): pass")
+    res = run(pytester, *args)
+    assert res.ret == pytest.ExitCode.USAGE_ERROR
+    res.stderr.fnmatch_lines([message])
+
+
+def test_precedence_cli_over_env_over_ini(pytester, monkeypatch):
+    pytester.makeini("[pytest]\ncudagraph_timeout = 11\n")
+    pytester.makepyfile(test_a="def test_x(): pass")
+    run(pytester).stdout.fnmatch_lines(["*timeout=11s*"])
+    monkeypatch.setenv("CUDAGRAPH_TIMEOUT", "22")
+    run(pytester).stdout.fnmatch_lines(["*timeout=22s*"])
+    run(pytester, "--cudagraph-timeout=33").stdout.fnmatch_lines(["*timeout=33s*"])
+
+
+def test_disable_and_explicit_load(pytester, monkeypatch):
+    pytester.makepyfile(test_a="def test_x(engine_sequence): pass")
+    pytester.makepyfile(engines_mod=ENGINES)
+    res = pytester.runpytest_subprocess("-p", "no:cudagraph")
+    res.stdout.fnmatch_lines(["*fixture 'engine_sequence' not found*"])
+    monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
+    pytester.runpytest_subprocess("-p", "cudagraph").assert_outcomes(passed=1)
+
+
+def test_xdist_two_workers(pytester):
+    pytest.importorskip("xdist")
+    pytester.makepyfile(test_a='''
+        import pytest
+        from engines_mod import good
+        @pytest.mark.parametrize("i", range(4))
+        def test_seq(engine_sequence, i):
+            assert all(r["fresh"] for r in engine_sequence(good, 2))
+    ''')
+    report = pytester.path / "r.json"
+    res = run(pytester, "-n", "2", f"--cudagraph-report={report}")
+    res.assert_outcomes(passed=4)
+    res.stdout.fnmatch_lines(["8 engine cycles, 8 fresh, 0 not fresh*"])
+    assert json.loads(report.read_text())["totals"]["cycles"] == 8
+
+
+def test_no_worker_left_after_session(pytester):
+    pytester.makepyfile(test_a='''
+        import os
+        def test_pid(cudagraph_session_worker, tmp_path_factory):
+            pid = cudagraph_session_worker.call(os.getpid)
+            open(os.environ["PIDFILE"], "w").write(str(pid))
+    ''')
+    pidfile = pytester.path / "pid"
+    os.environ["PIDFILE"] = str(pidfile)
+    try:
+        run(pytester).assert_outcomes(passed=1)
+    finally:
+        del os.environ["PIDFILE"]
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(pidfile.read_text()), 0)
