@@ -97,6 +97,14 @@ def _set_parent_death_signal() -> None:
         pass
 
 
+_PARENT_PID = os.getpid()
+
+
+def _forked() -> bool:
+    # Module state survives fork but not spawn: a child that still sees another process's pid was forked.
+    return _PARENT_PID != os.getpid()
+
+
 def _child_main(conn, stderr_path: str, sys_path: list[str], env: dict[str, str]) -> None:
     os.setpgrp()  # its own process group: a timeout kills everything it started
     _set_parent_death_signal()
@@ -106,7 +114,14 @@ def _child_main(conn, stderr_path: str, sys_path: list[str], env: dict[str, str]
     sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
     # A fatal signal dumps the worker's Python stack into its own stderr, which the crash report quotes.
     faulthandler.enable(file=sys.stderr)
+    # On a timeout the parent sends SIGUSR1 first: every thread's stack goes into the report.
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     sys.path[:] = sys_path
+    torch = sys.modules.get("torch")
+    if torch is not None and _forked():
+        # A forked child inherits an OpenMP pool whose threads did not survive the fork: the first parallel
+        # CPU op would hang. One thread, as torch's DataLoader workers do.
+        torch.set_num_threads(1)
     os.environ.update(env)
     os.environ["CUDAGRAPH_WORKER"] = "1"
     while True:
@@ -278,7 +293,12 @@ class ReusedWorker:
                     raise report
                 if deadline is not None and time.monotonic() >= deadline:
                     pid = self.pid
-                    tail = self.stderr_tail()
+                    try:
+                        os.kill(pid, signal.SIGUSR1)  # dump the hung worker's stacks before the kill
+                        time.sleep(0.5)
+                    except ProcessLookupError:
+                        pass
+                    tail = self.stderr_tail(60)
                     self._kill()
                     self._needs_restart = False
                     self.restarts += 1

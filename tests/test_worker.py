@@ -147,3 +147,24 @@ def test_start_method_rules(monkeypatch):
 def test_bad_timeout():
     with pytest.raises(ValueError, match="timeout"):
         ReusedWorker(timeout=0)
+
+
+def big_cpu_op():
+    import torch
+
+    return float((torch.ones(512, 512) * 2).sum())
+
+
+def test_fork_after_parallel_cpu_ops_does_not_hang():
+    import torch
+
+    torch.set_num_threads(2)
+    (torch.ones(1024, 1024) * 3).sum()  # the parent's OpenMP pool is now up
+    with ReusedWorker(start_method="fork", timeout=30) as w:
+        assert w.call(big_cpu_op) == 512 * 512 * 2
+
+
+def test_timeout_report_has_the_hung_stack():
+    with ReusedWorker(start_method="fork", timeout=1) as w:
+        with pytest.raises(WorkerTimeout, match="in sleep"):
+            w.call(sleep, 30)

@@ -1,0 +1,206 @@
+"""Runner overhead and graph memory, side by side in one run (GPU; also runs on sim for a smoke check).
+
+    python bench/bench_runner.py [--backend cuda|sim] [--json PATH]
+
+Targets (issue 2): runner step <= 1.05x raw copy-in + replay; 8 sizes in one pool <= 1.15x the largest
+alone; 0 bytes left after release (vs a naive release that keeps one output).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from cudagraph_lifecycle import CUDAGraphRunner, get_backend
+
+MiB = 1 << 20
+
+
+def launch_bound_model(dev, dtype):
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(256, 256).to(dev, dtype) for _ in range(16)]
+
+    def fwd(x):
+        for lin in layers:
+            x = torch.relu(lin(x))
+        return x
+
+    return fwd
+
+
+def timeit(be, fn, iters, reps=7):
+    """Median over reps of the mean time per call (us), synchronizing around each rep."""
+    for _ in range(20):
+        fn()
+    be.synchronize()
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        be.synchronize()
+        out.append((time.perf_counter() - t0) / iters * 1e6)
+    return statistics.median(out), out
+
+
+def bench_step(be, iters):
+    dev = be.torch_device(0)
+    dtype = torch.float16 if be.name == "cuda" else torch.float32
+    fwd = launch_bound_model(dev, dtype)
+    x = torch.randn(1, 256, device=dev, dtype=dtype)
+    # raw: one graph, static input, copy-in + replay
+    static = torch.zeros(1, 256, device=dev, dtype=dtype)
+    g = be.new_graph()
+    s = be.capture_stream(0)
+    with torch.no_grad():
+        with be.stream(s):
+            for _ in range(3):
+                fwd(static)
+        be.synchronize()
+        with be.stream(s):
+            g.capture_begin(pool=be.graph_pool_handle())
+            raw_out = fwd(static)
+            g.capture_end()
+
+    def raw():
+        static.copy_(x)
+        g.replay()
+        return raw_out
+
+    r = CUDAGraphRunner(fwd, [1], (256,), dtype=dtype, backend=be)
+    r.capture()
+
+    def eager():
+        with torch.no_grad():
+            return fwd(x)
+
+    res = {}
+    # interleave the three so drift hits all of them alike
+    for name, fn in (("eager", eager), ("raw_copy_replay", raw), ("runner", lambda: r.run(x)),
+                     ("raw_copy_replay#2", raw), ("runner#2", lambda: r.run(x))):
+        res[name] = timeit(be, fn, iters)[0]
+    raw_us = min(res["raw_copy_replay"], res["raw_copy_replay#2"])
+    run_us = min(res["runner"], res["runner#2"])
+    assert torch.allclose(r.run(x), eager(), atol=1e-2)
+    r.release()
+    g.reset()
+    return {"eager_us": res["eager"], "raw_copy_replay_us": raw_us, "runner_us": run_us,
+            "runner_over_raw": run_us / raw_us, "eager_over_runner": res["eager"] / run_us,
+            "target_runner_over_raw": 1.05}
+
+
+def capture_memory(be, sizes, order, shared=True, new_stream_each=False, hidden=2048):
+    """(bytes of the graphs' pools, growth of reserved memory) for an MLP captured at ``sizes`` in ``order``."""
+    dev = be.torch_device(0)
+    torch.manual_seed(0)
+    ws = [torch.randn(hidden, hidden, device=dev) * hidden**-0.5 for _ in range(4)]
+
+    def fwd(x):
+        for w in ws:
+            x = torch.relu(x @ w)
+        return x
+
+    static = torch.zeros(max(sizes), hidden, device=dev)
+    be.synchronize()
+    be.empty_cache()
+    base = be.memory_reserved(0)
+    pools, keep = [], []
+    shared_pool = be.graph_pool_handle()
+    with torch.no_grad():
+        for bs in order:
+            s = be.new_stream(0) if new_stream_each else be.capture_stream(0)
+            pool = shared_pool if shared else be.graph_pool_handle()
+            with be.stream(s):
+                fwd(static[:bs])
+            be.synchronize()
+            g = be.new_graph()
+            with be.stream(s):
+                g.capture_begin(pool=pool)
+                out = fwd(static[:bs])
+                g.capture_end()
+            keep.append((g, out))
+            pools.append(pool)
+    be.synchronize()
+    total = sum(be.pool_state(p).reserved_bytes for p in set(pools))
+    growth = be.memory_reserved(0) - base
+    del keep, out, g
+    be.synchronize()
+    be.empty_cache()
+    return total, growth
+
+
+def bench_memory(be):
+    sizes = [1, 2, 4, 8, 16, 32, 64, 128]
+    desc = sorted(sizes, reverse=True)
+    largest, _ = capture_memory(be, [max(sizes)], [max(sizes)])
+    shared, shared_growth = capture_memory(be, sizes, desc)
+    _, stream_growth = capture_memory(be, sizes, desc, new_stream_each=True)
+    res = {
+        "largest_alone_mib": largest / MiB,
+        "shared_largest_first_mib": shared / MiB,
+        "shared_smallest_first_mib": capture_memory(be, sizes, sorted(sizes))[0] / MiB,
+        "separate_pools_mib": capture_memory(be, sizes, desc, shared=False)[0] / MiB,
+        "one_stream_reserved_growth_mib": shared_growth / MiB,
+        "new_stream_each_reserved_growth_mib": stream_growth / MiB,
+    }
+    res["shared_over_largest"] = res["shared_largest_first_mib"] / res["largest_alone_mib"]
+    res["target_shared_over_largest"] = 1.15
+    return res
+
+
+def bench_release(be):
+    dev = be.torch_device(0)
+    fwd = lambda x: torch.relu(x @ w)  # noqa: E731
+    w = torch.randn(1024, 1024, device=dev)
+    r = CUDAGraphRunner(fwd, [1, 2, 4, 8, 16, 32, 64, 128], (1024,), backend=be)
+    r.run(torch.randn(3, 1024, device=dev))
+    clean = r.release()
+    # naive: reset every graph of a shared handle but keep one output, as a caller would
+    h = be.graph_pool_handle()
+    s = be.capture_stream(0)
+    graphs = []
+    static = torch.zeros(128, 1024, device=dev)
+    with torch.no_grad():
+        for bs in [128, 64, 32, 16, 8, 4, 2, 1]:
+            g = be.new_graph()
+            with be.stream(s):
+                g.capture_begin(pool=h)
+                out = fwd(static[:bs])
+                g.capture_end()
+            graphs.append((g, out))
+    kept = graphs[0][1]
+    for g, _ in graphs:
+        g.reset()
+    del graphs, g, _, out
+    be.synchronize()
+    be.empty_cache()
+    naive_left = be.pool_state(h).reserved_bytes
+    del kept
+    return {"runner_bytes_after_release": clean.pinned_bytes, "naive_bytes_after_release": naive_left,
+            "target_runner_bytes_after_release": 0}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--iters", type=int, default=2000)
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    be = get_backend(a.backend)
+    iters = a.iters if be.name == "cuda" else 50
+    out = {"meta": be.describe() | {"date": time.strftime("%Y-%m-%d %H:%M:%S")}}
+    out["step"] = bench_step(be, iters)
+    out["memory"] = bench_memory(be)
+    out["release"] = bench_release(be)
+    print(json.dumps(out, indent=1))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
