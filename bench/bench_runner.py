@@ -184,6 +184,40 @@ def bench_release(be):
             "target_runner_bytes_after_release": 0}
 
 
+def bench_sanitizer(be, rounds=5):
+    """Capture time of a runner (8 batch sizes) and replay time, with and without the pool sanitizer."""
+    from cudagraph_lifecycle import PoolSanitizer
+
+    dev = be.torch_device(0)
+    dtype = torch.float16 if be.name == "cuda" else torch.float32
+    fwd = launch_bound_model(dev, dtype)
+    x = torch.randn(3, 256, device=dev, dtype=dtype)
+
+    def capture_ms():
+        r = CUDAGraphRunner(fwd, [1, 2, 4, 8, 16, 32, 64, 128], (256,), dtype=dtype, backend=be, warmup=1)
+        r.capture()
+        ms = r.stats.capture_ms
+        step = timeit(be, lambda: r.run(x), 200 if be.name == "cuda" else 10, reps=3)[0]
+        r.release()
+        return ms, step
+
+    capture_ms()  # warm: lazy init and kernel selection out of the numbers
+    plain, watched, plain_step, watched_step = [], [], [], []
+    for _ in range(rounds):
+        ms, st = capture_ms()
+        plain.append(ms)
+        plain_step.append(st)
+        with PoolSanitizer(be):
+            ms, st = capture_ms()
+        watched.append(ms)
+        watched_step.append(st)
+    p, w = statistics.median(plain), statistics.median(watched)
+    ps, ws = statistics.median(plain_step), statistics.median(watched_step)
+    return {"capture_ms": p, "capture_ms_sanitized": w, "capture_overhead": w / p - 1, "target_capture_overhead": 0.05,
+            "step_us": ps, "step_us_sanitized": ws, "step_ratio": ws / ps,
+            "capture_spread_ms": [min(plain), max(plain)], "capture_spread_sanitized_ms": [min(watched), max(watched)]}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--backend", default="auto")
@@ -196,6 +230,7 @@ def main():
     out["step"] = bench_step(be, iters)
     out["memory"] = bench_memory(be)
     out["release"] = bench_release(be)
+    out["sanitizer"] = bench_sanitizer(be)
     print(json.dumps(out, indent=1))
     if a.json:
         with open(a.json, "w") as f:

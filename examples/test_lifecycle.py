@@ -41,6 +41,19 @@ def test_module_worker_keeps_state_across_tests_part2(engine_sequence, cudagraph
     reason="seed bug: a class-level pool handle reused after release trips "
     "'use_count > 0 INTERNAL ASSERT FAILED' on the second engine",
 )
-@pytest.mark.cudagraph_engines(2)
+@pytest.mark.cudagraph_engines(2, sanitize="off")
 def test_naive_engine_fails_on_its_second_instance(engine_sequence):
     engine_sequence(make_naive_engine)
+
+
+@pytest.mark.cudagraph
+@pytest.mark.cudagraph_engines(2)
+def test_sanitizer_stops_the_naive_engine_before_the_allocator(engine_sequence):
+    with pytest.raises(EngineCycleError, match="StalePoolError") as e:
+        engine_sequence(make_naive_engine)
+    msg = str(e.value)
+    assert "pool minted at" in msg and "engines.py" in msg and "in release" in msg
+    # the worker was not poisoned: the same process builds fixed engines afterwards
+    pid = engine_sequence.worker.pid
+    records = engine_sequence(make_mlp_engine, 2)
+    assert all(r["fresh"] for r in records) and {r["pid"] for r in records} == {pid}

@@ -24,9 +24,41 @@ def _settings(config: pytest.Config) -> dict[str, Any]:
     return config.stash[SETTINGS_KEY]
 
 
-def _new_worker(config: pytest.Config, name: str) -> ReusedWorker:
+def _new_worker(config: pytest.Config, name: str, sanitize: str | None = None) -> ReusedWorker:
     s = _settings(config)
-    return ReusedWorker(start_method=s["start_method"], timeout=s["timeout"] or None, name=name)
+    env = {}
+    if (sanitize or s["sanitize"]) != "off":  # the worker installs a sanitizer on its (one) backend at start
+        env = {"CUDAGRAPH_SANITIZE": sanitize or s["sanitize"], "CUDAGRAPH_SANITIZE_BACKEND": s["backend"]}
+    return ReusedWorker(start_method=s["start_method"], timeout=s["timeout"] or None, name=name, env=env)
+
+
+@pytest.fixture(autouse=True)
+def _cudagraph_sanitize(request: pytest.FixtureRequest):
+    """In ``cudagraph``-marked tests, watch this process's graph API; findings go to the report."""
+    s = _settings(request.config)
+    if s["sanitize"] == "off" or request.node.get_closest_marker("cudagraph") is None:
+        yield
+        return
+    from cudagraph_lifecycle.cycle import process_backend
+    from cudagraph_lifecycle.sanitizer import PoolSanitizer
+
+    if s["effective_backend"] == "cuda":
+        import torch
+
+        if not torch.cuda.is_initialized():
+            yield  # the test keeps CUDA out of this process (its GPU work runs in workers)
+            return
+    san = PoolSanitizer(process_backend(s["effective_backend"]), mode=s["sanitize"]).start()
+    try:
+        yield san
+    finally:
+        san.stop()
+    found = san.findings()
+    if found:
+        request.node.user_properties.append(("cudagraph_findings", json.dumps([f.as_dict() for f in found])))
+    if found and s["sanitize"] == "strict":
+        pytest.fail("pool sanitizer findings:\n" + "\n".join(f"- {f.kind}: {f.message}" for f in found),
+                    pytrace=False)
 
 
 @pytest.fixture(scope="session")
@@ -122,12 +154,21 @@ def engine_sequence(request: pytest.FixtureRequest, pytestconfig: pytest.Config)
     and which worker holds them (a module or session worker keeps state across tests).
     """
     marker = request.node.get_closest_marker("cudagraph_engines")
-    n, scope = 3, "function"
+    n, scope, sanitize = 3, "function", None
     if marker is not None:
         if marker.args:
             n = marker.args[0]
         n = marker.kwargs.get("n", n)
         scope = marker.kwargs.get("scope", scope)
+        sanitize = marker.kwargs.get("sanitize")
+    if sanitize not in (None, "off", "on", "strict"):
+        raise ConfigError(f"cudagraph_engines(sanitize={sanitize!r}): choose off, on or strict")
+    if sanitize is not None:
+        if scope != "function":
+            raise ConfigError("cudagraph_engines(sanitize=...) needs scope='function': shared workers keep theirs")
+        worker = _new_worker(pytestconfig, "function", sanitize)
+        request.addfinalizer(worker.close)
+        return EngineSequence(request, n, worker, _settings(pytestconfig)["backend"])
     if scope not in SCOPES:
         raise ConfigError(f"cudagraph_engines(scope={scope!r}): choose one of {', '.join(SCOPES)}")
     if not isinstance(n, int) or isinstance(n, bool) or n <= 0:

@@ -53,8 +53,8 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     config.addinivalue_line(
         "markers",
-        "cudagraph_engines(n=3, scope='function'): engine count for engine_sequence and the scope of the reused "
-        "worker that holds them (function, module or session)",
+        "cudagraph_engines(n=3, scope='function', sanitize=None): engine count for engine_sequence, the scope of "
+        "the reused worker that holds them (function, module or session), and a per-test sanitizer mode",
     )
     s = settings.resolve(config)
     workerinput = getattr(config, "workerinput", None)

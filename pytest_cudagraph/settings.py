@@ -36,6 +36,9 @@ OPTIONS = [
     Option("timeout", "CUDAGRAPH_TIMEOUT", "cudagraph_timeout", 300.0,
            "seconds one call into a worker may take before its process group is killed (0: no limit)",
            kind="float"),
+    Option("sanitize", "CUDAGRAPH_SANITIZE_MODE", "cudagraph_sanitize", "on",
+           "pool sanitizer in reused workers and cudagraph-marked tests: off, on (stale captures raise "
+           "StalePoolError; findings reported), strict (findings fail the test)", choices=("off", "on", "strict")),
     Option("report", "CUDAGRAPH_REPORT", "cudagraph_report", None,
            "write a JSON report of every engine cycle and test outcome to this path", kind="path"),
 ]

@@ -54,7 +54,8 @@ class RemoteError(WorkerError):
 
     @property
     def poisons_process(self) -> bool:
-        return any(m in self.remote_message for m in _POISON_MARKERS)
+        # A StalePoolError quotes the assert it prevented: that process is fine.
+        return self.type_name != "StalePoolError" and any(m in self.remote_message for m in _POISON_MARKERS)
 
 
 class UnpicklableCallableError(WorkerError, TypeError):
@@ -124,6 +125,10 @@ def _child_main(conn, stderr_path: str, sys_path: list[str], env: dict[str, str]
         torch.set_num_threads(1)
     os.environ.update(env)
     os.environ["CUDAGRAPH_WORKER"] = "1"
+    if os.environ.get("CUDAGRAPH_SANITIZE"):
+        from cudagraph_lifecycle.sanitizer import install_from_env
+
+        install_from_env()
     while True:
         try:
             payload = conn.recv_bytes()

@@ -68,3 +68,81 @@ def naive_two_engines():
     except RuntimeError as e:
         return {"first_fresh": first, "second": str(e).splitlines()[0]}
     return {"first_fresh": first, "second": "no error"}
+
+
+def sanitizer_catches_naive_engine():
+    import sys
+
+    sys.path.insert(0, "examples")
+    from engines import make_naive_engine
+
+    from cudagraph_lifecycle import PoolSanitizer, StalePoolError
+    from cudagraph_lifecycle.cycle import run_cycle
+
+    be = get_backend("cuda")
+    with PoolSanitizer(be):
+        first = run_cycle(make_naive_engine, "cuda", 0).fresh
+        try:
+            run_cycle(make_naive_engine, "cuda", 1)
+            caught = None
+        except StalePoolError as e:
+            caught = str(e)
+        # the process is still usable: a fresh pool captures, the RNG works
+        g = torch.cuda.CUDAGraph()
+        x = torch.randn(16, device="cuda")
+        with torch.cuda.graph(g, pool=torch.cuda.graph_pool_handle()):
+            y = x * 2
+        g.replay()
+        torch.cuda.synchronize()
+        ok = torch.allclose(y, x * 2)
+    return {"first_fresh": first, "caught": caught, "usable": ok}
+
+
+def sanitizer_no_false_positives():
+    from cudagraph_lifecycle import PoolSanitizer
+
+    be = get_backend("cuda")
+    results = {}
+    with PoolSanitizer(be) as san:
+        # hand-written captures sharing one pool
+        h = torch.cuda.graph_pool_handle()
+        x = torch.randn(64, 64, device="cuda")
+        gs = []
+        for _ in range(3):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=h):
+                y = x @ x
+            gs.append((g, y))
+        for g, _ in gs:
+            g.replay()
+        del gs, g, y
+        # legal reuse of an id after its outputs were freed (torch.cuda.graph empties both caches)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=h):
+            y = x + 1
+        del g, y
+        # MemPool reuse through torch.cuda.graph
+        mp = torch.cuda.MemPool()
+        for _ in range(2):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=mp.id):
+                y = x * 3
+            g.replay()
+        del g, y, mp
+        # make_graphed_callables
+        lin = torch.nn.Linear(64, 64).cuda()
+        graphed = torch.cuda.make_graphed_callables(lin, (torch.randn(8, 64, device="cuda", requires_grad=True),))
+        out = graphed(torch.randn(8, 64, device="cuda", requires_grad=True))
+        out.sum().backward()
+        del graphed, out
+        results["before_compile"] = san.stale_caught
+        # torch.compile(mode="reduce-overhead"): cudagraph trees
+        try:
+            f = torch.compile(lambda a: torch.relu(a @ a) + 1, mode="reduce-overhead")
+            for _ in range(4):
+                f(torch.randn(32, 32, device="cuda"))
+            results["compile"] = "ran"
+        except Exception as e:  # a missing compiler toolchain is not a sanitizer finding
+            results["compile"] = f"skipped: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+        results["stale_caught"] = san.stale_caught
+    return results

@@ -28,3 +28,15 @@ def test_naive_engine_asserts_on_its_second_instance(cudagraph_worker):
     r = cudagraph_worker.call(gpu_cases.naive_two_engines)
     assert r["first_fresh"]
     assert "use_count > 0 INTERNAL ASSERT FAILED" in r["second"]
+
+
+def test_sanitizer_catches_the_seed_bug_and_the_process_goes_on(cudagraph_worker):
+    r = cudagraph_worker.call(gpu_cases.sanitizer_catches_naive_engine)
+    assert r["first_fresh"] and r["usable"]
+    assert r["caught"] and "pool minted at" in r["caught"] and "engines.py" in r["caught"]
+    assert "last graph was released at" in r["caught"] and "in release" in r["caught"]
+
+
+def test_sanitizer_no_false_positives_on_correct_code(cudagraph_worker):
+    r = cudagraph_worker.call(gpu_cases.sanitizer_no_false_positives)
+    assert r["stale_caught"] == 0, r

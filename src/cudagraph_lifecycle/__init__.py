@@ -14,12 +14,17 @@ from .errors import (
 )
 from .pool import LazyPool
 from .runner import CUDAGraphRunner, RunnerStats
+from .sanitizer import Finding, PoolSanitizer, install_from_env
+
+install_from_env()  # CUDAGRAPH_SANITIZE=1|strict: a sanitizer for the whole program
 
 __all__ = [
     "Backend",
     "BackendUnavailableError",
     "CUDAGraphRunner",
     "ConfigError",
+    "Finding",
+    "PoolSanitizer",
     "CudaGraphLifecycleError",
     "GraphInputError",
     "LazyPool",

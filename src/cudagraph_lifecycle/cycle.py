@@ -58,6 +58,7 @@ class CycleRecord:
     reserved_after: int = 0
     fresh: bool = False
     problems: list[str] = field(default_factory=list)
+    sanitizer: list[dict] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -171,6 +172,16 @@ def run_cycle(
             f"pools {[p for _, p in pools]} still hold {rec.bytes_after_release} bytes after release: "
             "the engine keeps a tensor from its pool alive"
         )
+    from .sanitizer import global_sanitizer
+
+    san = global_sanitizer()
+    if san is not None and san.backend is be:
+        mine = {(d, p) for d, p in pools}
+        found = [f for f in san.findings() if (f.device, f.pool_id) in mine and not (
+            f.kind == "pinned_pool" and y is not None)]  # the held output pins on purpose
+        rec.sanitizer = [f.as_dict() for f in found]
+        if san.mode == "strict":
+            rec.problems += [f"sanitizer {f.kind}: {f.message}" for f in found]
     rec.reserved_after = be.memory_reserved(dev) - rec.bytes_pinned_by_held_output
     if rec.reserved_after > rec.reserved_baseline:
         rec.problems.append(

@@ -1,0 +1,486 @@
+"""The pool sanitizer: watches the CUDA graph API of any code and catches a stale pool before the allocator.
+
+While active it wraps ``graph_pool_handle``, ``CUDAGraph.capture_begin/capture_end/reset`` (and graph
+destruction), ``MemPool``, ``empty_cache`` and the host allocator's ``_host_emptyCache`` — so
+``torch.cuda.graph``, ``make_graphed_callables`` and ``torch.compile(mode="reduce-overhead")`` are watched
+too — and keeps a ledger per pool: where it was minted, which graphs captured into it, its device and host
+use counts, where its last graph was released, and the bytes it still holds.
+
+A capture into a *dead* pool raises :class:`StalePoolError` before the real ``capture_begin`` runs, so the
+process stays usable. Dead means, per the measured rules (conformance table): all its graphs were released
+and either the device allocator still holds the pool (a live block pins it, or ``empty_cache`` has not run)
+or the host allocator's ledger still has the id (``torch._C._host_emptyCache`` has not run).
+
+    with PoolSanitizer("cuda") as san:
+        ...                       # any CUDA graph code
+    san.findings()                # unreleased graphs, pinned pools, pools never retired
+
+``CUDAGRAPH_SANITIZE=1`` (or ``strict``) in the environment installs one for the whole program when
+``cudagraph_lifecycle`` is imported; ``python -m cudagraph_lifecycle.sanitizer prog.py`` runs a program
+under it.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import os
+import runpy
+import sys
+import threading
+import traceback
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+from .backends import Backend, PoolId, get_backend
+from .errors import ConfigError, StalePoolError
+
+SANITIZE_MODES = ("off", "on", "strict")
+
+
+def _stack(skip: int = 2, limit: int = 12) -> str:
+    frames = traceback.extract_stack()[:-skip]
+    keep = [f for f in frames if "cudagraph_lifecycle/sanitizer" not in f.filename][-limit:]
+    return "".join(traceback.format_list(keep))
+
+
+@dataclass
+class PoolEntry:
+    pool_id: PoolId
+    device: int
+    minted_at: str | None = None
+    device_count: int = 0
+    host_count: int = 0
+    device_alive: bool = False  # the device allocator has books for it
+    host_alive: bool = False  # the host allocator's ledger has the id
+    captures: int = 0
+    graphs: list[int] = field(default_factory=list)
+    released_at: str | None = None
+
+    @property
+    def dead(self) -> bool:
+        return (self.device_count == 0 and self.device_alive) or (self.host_count == 0 and self.host_alive)
+
+
+@dataclass
+class GraphEntry:
+    gid: int
+    pool_id: PoolId
+    device: int
+    captured_at: str
+    captured: bool = False  # capture_end succeeded: reset() gives the references back
+    alive: bool = True
+
+
+@dataclass(frozen=True)
+class Finding:
+    kind: str  # unreleased_graph | pinned_pool | pool_never_retired
+    pool_id: PoolId
+    device: int
+    bytes: int
+    message: str
+    stacks: tuple[str, ...] = ()
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "pool_id": list(self.pool_id), "device": self.device, "bytes": self.bytes,
+                "message": self.message, "stacks": list(self.stacks)}
+
+
+class _Target:
+    """Where one backend's graph API lives, so the same wrappers serve cuda and sim."""
+
+    def __init__(self, be: Backend):
+        self.be = be
+        if be.name == "cuda":
+            import torch
+
+            self.graph_cls = torch.cuda.CUDAGraph
+            self.handle_owners = [torch.cuda, torch.cuda.graphs]
+            self.mempool_cls = getattr(torch.cuda, "MemPool", None)
+            self.empty_owner, self.empty_name = torch.cuda, "empty_cache"
+            self.host_owner, self.host_name = torch._C, "_host_emptyCache"
+        else:
+            from .backends import sim
+
+            self.graph_cls = sim.SimGraph
+            self.handle_owners = [sim.SimBackend]
+            self.mempool_cls = sim.SimMemPool
+            self.empty_owner, self.empty_name = sim.SimBackend, "empty_cache"
+            self.host_owner, self.host_name = sim.SimBackend, "host_empty_cache"
+
+    def owns(self, obj: Any) -> bool:
+        """Sim classes are shared by every SimBackend: watch only this backend's objects."""
+        if self.be.name == "cuda":
+            return True
+        be = obj if hasattr(obj, "_pools") else getattr(obj, "_backend", None)
+        return be is self.be
+
+    def device_of_capture(self) -> int:
+        if self.be.name == "cuda":
+            import torch
+
+            return torch.cuda.current_device()
+        return self.be._current_stream.device
+
+
+class PoolSanitizer:
+    """Watches graph captures on one backend; see the module docstring.
+
+    ``mode``: ``on`` raises :class:`StalePoolError` on a stale capture; ``strict`` also makes
+    :meth:`check` raise on findings. ``record_history`` turns on CUDA memory history so pinned blocks are
+    reported with their allocation stacks (sim: the simulated allocator records them).
+    """
+
+    _active_lock = threading.Lock()
+
+    def __init__(self, backend: Backend | str = "auto", mode: str = "on", record_history: bool = False):
+        if mode not in SANITIZE_MODES or mode == "off":
+            raise ConfigError(f"sanitizer mode {mode!r}: choose 'on' or 'strict' (use no sanitizer for 'off')")
+        self.backend = get_backend(backend)
+        self.mode = mode
+        self.record_history = record_history
+        self._t = _Target(self.backend)
+        self._lock = threading.RLock()
+        self._pools: dict[tuple[int, PoolId], PoolEntry] = {}
+        self._minted: dict[PoolId, str] = {}
+        self._graphs: dict[int, GraphEntry] = {}
+        self._gids = itertools.count(1)
+        self._gid_of: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._saved: list[tuple[Any, str, Any]] = []
+        self.stale_caught = 0
+        self.active = False
+
+    # install / uninstall ------------------------------------------------------------------------------
+    def _patch(self, owner: Any, name: str, make) -> None:
+        own = name in vars(owner)  # a class may inherit the method: restore by deleting our override then
+        original = getattr(owner, name)
+        self._saved.append((owner, name, original if own else None))
+        setattr(owner, name, make(original))
+
+    def start(self) -> PoolSanitizer:
+        if self.active:
+            return self
+        t = self._t
+        if self.backend.name == "sim" and self.record_history:
+            self.backend.record_stacks = True
+        if self.backend.name == "cuda" and self.record_history:
+            import torch
+
+            torch.cuda.memory._record_memory_history(max_entries=100000)
+        for owner in t.handle_owners:
+            if "graph_pool_handle" in vars(owner):
+                self._patch(owner, "graph_pool_handle", self._wrap_handle)
+        self._patch(t.graph_cls, "capture_begin", self._wrap_begin)
+        self._patch(t.graph_cls, "capture_end", self._wrap_end)
+        self._patch(t.graph_cls, "reset", self._wrap_reset)
+        if t.mempool_cls is not None:
+            self._patch(t.mempool_cls, "__init__", self._wrap_mempool_init)
+        self._patch(t.empty_owner, t.empty_name, self._wrap_empty_cache)
+        if hasattr(t.host_owner, t.host_name):
+            self._patch(t.host_owner, t.host_name, self._wrap_host_empty_cache)
+        self.active = True
+        return self
+
+    def stop(self) -> None:
+        while self._saved:
+            owner, name, original = self._saved.pop()
+            if original is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
+        self.active = False
+
+    def __enter__(self) -> PoolSanitizer:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    # ledger -------------------------------------------------------------------------------------------
+    def _entry(self, pool_id: PoolId, device: int) -> PoolEntry:
+        key = (device, tuple(pool_id))
+        e = self._pools.get(key)
+        if e is None:
+            e = self._pools[key] = PoolEntry(tuple(pool_id), device, minted_at=self._minted.get(tuple(pool_id)))
+        return e
+
+    def _release(self, g: GraphEntry) -> None:
+        e = self._entry(g.pool_id, g.device)
+        e.device_count -= 1
+        e.host_count -= 1
+        if e.device_count == 0 or e.host_count == 0:
+            e.released_at = _stack(3)
+
+    def _graph_gone(self, gid: int) -> None:
+        with self._lock:
+            g = self._graphs.get(gid)
+            if g is not None and g.alive:
+                g.alive = False
+                if g.captured:
+                    self._release(g)
+                    g.captured = False
+
+    def _check_stale(self, pool_id: PoolId, device: int) -> None:
+        e = self._pools.get((device, tuple(pool_id)))
+        if e is None or not e.dead:
+            return
+        self.stale_caught += 1
+        why = []
+        if e.device_count == 0 and e.device_alive:
+            st = self.backend.pool_state(pool_id, device)
+            why.append(
+                f"the device allocator still holds it ({st.reserved_bytes} bytes in {st.segments} segment(s)"
+                + (": a live tensor from its captures pins it)" if st.reserved_bytes else "; empty_cache has not run)")
+            )
+        if e.host_count == 0 and e.host_alive:
+            why.append("the host allocator's ledger still has the id (torch._C._host_emptyCache has not run)")
+        raise StalePoolError(
+            f"capture into stale pool {tuple(pool_id)} on device {device}: all its graphs were released, but "
+            + " and ".join(why)
+            + ". The real capture_begin would fail with 'use_count > 0 INTERNAL ASSERT FAILED' and poison the "
+            "process. Mint a fresh pool per engine (cudagraph_lifecycle.LazyPool) instead of keeping this id.\n"
+            f"--- pool minted at ---\n{e.minted_at or '(not seen: minted before the sanitizer started)'}"
+            f"--- its last graph was released at ---\n{e.released_at or '(not seen)'}"
+        )
+
+    # wrappers -----------------------------------------------------------------------------------------
+    def _wrap_handle(self, original):
+        san = self
+
+        @functools.wraps(original)
+        def graph_pool_handle(*args, **kwargs):
+            pid = tuple(original(*args, **kwargs))
+            if san.backend.name == "cuda" or (args and san._t.owns(args[0])):
+                with san._lock:
+                    san._minted[pid] = _stack(2)
+            return pid
+
+        return graph_pool_handle
+
+    def _wrap_begin(self, original):
+        san = self
+
+        @functools.wraps(original)
+        def capture_begin(graph, *args, **kwargs):
+            if not san._t.owns(graph):
+                return original(graph, *args, **kwargs)
+            pool = kwargs.get("pool", args[0] if args else None)
+            device = san._t.device_of_capture()
+            if pool is not None and tuple(pool) != (0, 0):
+                with san._lock:
+                    san._check_stale(tuple(pool), device)
+            original(graph, *args, **kwargs)
+            pid = tuple(graph.pool())
+            with san._lock:
+                e = san._entry(pid, device)
+                if not e.device_alive:
+                    e.device_alive = True
+                if not e.host_alive:
+                    e.host_alive = True
+                e.device_count += 1
+                e.host_count += 1
+                e.captures += 1
+                gid = next(san._gids)
+                san._graphs[gid] = GraphEntry(gid, pid, device, _stack(2))
+                e.graphs.append(gid)
+                old = san._gid_of.get(graph)
+                if old is not None:
+                    san._graphs[old].alive = False
+                san._gid_of[graph] = gid
+                weakref.finalize(graph, san._graph_gone, gid)
+
+        return capture_begin
+
+    def _wrap_end(self, original):
+        san = self
+
+        @functools.wraps(original)
+        def capture_end(graph, *args, **kwargs):
+            original(graph, *args, **kwargs)  # on failure the graph keeps its references through reset
+            gid = san._gid_of.get(graph) if san._t.owns(graph) else None
+            if gid is not None:
+                with san._lock:
+                    san._graphs[gid].captured = True
+
+        return capture_end
+
+    def _wrap_reset(self, original):
+        san = self
+
+        @functools.wraps(original)
+        def reset(graph, *args, **kwargs):
+            out = original(graph, *args, **kwargs)
+            gid = san._gid_of.get(graph) if san._t.owns(graph) else None
+            if gid is not None:
+                with san._lock:
+                    g = san._graphs[gid]
+                    if g.captured:
+                        g.captured = False
+                        san._release(g)
+            return out
+
+        return reset
+
+    def _wrap_mempool_init(self, original):
+        san = self
+
+        @functools.wraps(original)
+        def __init__(mp, *args, **kwargs):
+            original(mp, *args, **kwargs)
+            if san.backend.name == "sim" and getattr(mp, "_backend", None) is not san.backend:
+                return
+            device = getattr(mp, "device", None)
+            if device is None:
+                device = san._t.device_of_capture()
+            pid = tuple(mp.id)
+            with san._lock:
+                san._minted[pid] = _stack(2)
+                e = san._entry(pid, device)
+                e.minted_at = san._minted[pid]
+                e.device_alive = True
+                e.device_count += 1
+            weakref.finalize(mp, san._mempool_gone, pid, device)
+
+        return __init__
+
+    def _mempool_gone(self, pid: PoolId, device: int) -> None:
+        with self._lock:
+            e = self._entry(pid, device)
+            e.device_count -= 1
+            if e.device_count == 0:
+                e.released_at = "(the MemPool object was destroyed)\n"
+
+    def _wrap_empty_cache(self, original):
+        san = self
+
+        @functools.wraps(original)
+        def empty_cache(*args, **kwargs):
+            out = original(*args, **kwargs)
+            if san.backend.name == "sim" and not (args and args[0] is san.backend):
+                return out
+            with san._lock:
+                for e in san._pools.values():
+                    if e.device_count == 0 and e.device_alive:
+                        if san.backend.pool_state(e.pool_id, e.device).reserved_bytes == 0:
+                            e.device_alive = False
+            return out
+
+        return empty_cache
+
+    def _wrap_host_empty_cache(self, original):
+        san = self
+
+        @functools.wraps(original)
+        def host_empty_cache(*args, **kwargs):
+            out = original(*args, **kwargs)
+            if san.backend.name == "sim" and not (args and args[0] is san.backend):
+                return out
+            with san._lock:
+                for e in san._pools.values():
+                    if e.host_count == 0:
+                        e.host_alive = False
+            return out
+
+        return host_empty_cache
+
+    # findings -----------------------------------------------------------------------------------------
+    def ledger(self) -> list[dict[str, Any]]:
+        with self._lock:
+            out = []
+            for e in self._pools.values():
+                st = self.backend.pool_state(e.pool_id, e.device)
+                out.append({"pool_id": list(e.pool_id), "device": e.device, "use_count": e.device_count,
+                            "host_use_count": e.host_count, "captures": e.captures, "bytes": st.reserved_bytes,
+                            "dead": e.dead, "minted_at": e.minted_at, "released_at": e.released_at})
+            return out
+
+    def _pinning_stacks(self, e: PoolEntry) -> tuple[str, ...]:
+        be = self.backend
+        if be.name == "sim":
+            return tuple("".join(s) for s in be.block_stacks(e.pool_id, e.device) if s)
+        if not self.record_history:
+            return ()
+        import torch
+
+        stacks = []
+        for seg in torch.cuda.memory_snapshot():
+            if tuple(seg.get("segment_pool_id", (0, 0))) != e.pool_id:
+                continue
+            for blk in seg.get("blocks", []):
+                if blk.get("state") == "active_allocated" and blk.get("frames"):
+                    stacks.append("".join(f"  {f['filename']}:{f['line']} in {f['name']}\n" for f in blk["frames"][:12]))
+        return tuple(stacks)
+
+    def findings(self) -> list[Finding]:
+        """Unreleased graphs, released pools whose bytes are pinned by live tensors, pools never retired."""
+        out: list[Finding] = []
+        with self._lock:
+            for g in self._graphs.values():
+                if g.alive and g.captured:
+                    out.append(Finding("unreleased_graph", g.pool_id, g.device, 0,
+                                       f"a graph captured into pool {g.pool_id} was never reset", (g.captured_at,)))
+            for e in self._pools.values():
+                st = self.backend.pool_state(e.pool_id, e.device)
+                live_graphs = any(self._graphs[i].alive and self._graphs[i].captured for i in e.graphs)
+                if e.device_count == 0 and st.allocated_bytes:  # free segments alone go at empty_cache
+                    out.append(Finding(
+                        "pinned_pool", e.pool_id, e.device, st.reserved_bytes,
+                        f"pool {e.pool_id} was released but {st.reserved_bytes} bytes stay reserved: a tensor "
+                        "allocated in its captures is still alive (an output kept, or a clone with autograd history)",
+                        self._pinning_stacks(e)))
+                elif e.device_count > 0 and not live_graphs and e.captures:
+                    out.append(Finding(
+                        "pool_never_retired", e.pool_id, e.device, st.reserved_bytes,
+                        f"pool {e.pool_id} has no live graph but {e.device_count} reference(s): a MemPool still "
+                        "alive, or a failed capture that kept its reference", (e.minted_at or "",)))
+        return out
+
+    def check(self) -> list[Finding]:
+        """Findings; in ``strict`` mode they raise :class:`AssertionError`."""
+        found = self.findings()
+        if found and self.mode == "strict":
+            raise AssertionError("pool sanitizer findings:\n" + "\n".join(f"- {f.kind}: {f.message}" for f in found))
+        return found
+
+
+_global: PoolSanitizer | None = None
+
+
+def install_from_env(environ: dict[str, str] | None = None) -> PoolSanitizer | None:
+    """Install a process-wide sanitizer when ``CUDAGRAPH_SANITIZE`` is ``1``/``on``/``strict``."""
+    global _global
+    env = os.environ if environ is None else environ
+    value = env.get("CUDAGRAPH_SANITIZE", "").strip().lower()
+    if value in ("", "0", "off", "false", "no"):
+        return None
+    mode = "strict" if value == "strict" else "on"
+    if _global is None or not _global.active:
+        from .cycle import process_backend  # the process's one backend: engines and sanitizer share it
+
+        _global = PoolSanitizer(process_backend(env.get("CUDAGRAPH_SANITIZE_BACKEND", "auto")), mode=mode).start()
+    return _global
+
+
+def global_sanitizer() -> PoolSanitizer | None:
+    return _global
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m cudagraph_lifecycle.sanitizer prog.py [args]``: run a program under the sanitizer."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv:
+        print("usage: python -m cudagraph_lifecycle.sanitizer PROGRAM.py [ARGS...]", file=sys.stderr)
+        return 2
+    san = install_from_env({"CUDAGRAPH_SANITIZE": os.environ.get("CUDAGRAPH_SANITIZE", "on") or "on"})
+    sys.argv = argv
+    try:
+        runpy.run_path(argv[0], run_name="__main__")
+    finally:
+        for f in san.findings():
+            print(f"cudagraph sanitizer: {f.kind}: {f.message}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,199 @@
+"""The pool sanitizer's ledger, driven through the simulated allocator."""
+
+import pytest
+import torch
+
+from cudagraph_lifecycle import CUDAGraphRunner, LazyPool, PoolSanitizer, StalePoolError
+from cudagraph_lifecycle.backends.sim import SimBackend, SimGraph
+from cudagraph_lifecycle.conformance import Ctx
+from cudagraph_lifecycle.sanitizer import install_from_env
+
+
+@pytest.fixture
+def sim():
+    be = SimBackend()
+    with PoolSanitizer(be) as san:
+        yield be, san, Ctx(be)
+
+
+def mint_here(be):
+    return be.graph_pool_handle()
+
+
+def release_here(g):
+    g.reset()
+
+
+def test_sanitizer_catches_stale_pool_before_the_allocator(sim):
+    be, san, c = sim
+    h = mint_here(be)
+    g = be.new_graph()
+    y = c.step(g, h)  # noqa: F841 - the output pins the pool
+    release_here(g)
+    with pytest.raises(StalePoolError) as e:
+        c.step(be.new_graph(), h)
+    msg = str(e.value)
+    assert "in mint_here" in msg and "in release_here" in msg and "live tensor" in msg
+    assert be.poisoned is None and san.stale_caught == 1  # the allocator never saw it
+    assert c.step(be.new_graph(), be.graph_pool_handle()).numel() > 0  # the process goes on
+
+
+def test_sanitizer_stale_after_empty_cache_names_the_host_ledger(sim):
+    be, _, c = sim
+    h = be.graph_pool_handle()
+    g = be.new_graph()
+    y = c.step(g, h)
+    g.reset()
+    del y
+    be.empty_cache()
+    with pytest.raises(StalePoolError, match="host allocator's ledger") as e:
+        c.step(be.new_graph(), h)
+    assert "device allocator still holds" not in str(e.value)
+
+
+def test_sanitizer_allows_legal_reuse_after_both_caches(sim):
+    be, san, c = sim
+    h = be.graph_pool_handle()
+    g = be.new_graph()
+    y = c.step(g, h)
+    g.reset()
+    del y
+    be.empty_cache()
+    be.host_empty_cache()
+    c.step(be.new_graph(), h)  # legal: the pool is created afresh under the same id
+    assert san.stale_caught == 0
+
+
+def test_sanitizer_allows_torch_graph_context_reuse(sim):
+    be, san, c = sim
+    h = be.graph_pool_handle()
+    g1 = be.new_graph()
+    y = c.step(g1, h)
+    g1.reset()
+    del y, g1
+    x = c.tensor()
+    with be.graph(be.new_graph(), pool=h):
+        x * 2
+    assert san.stale_caught == 0
+
+
+def test_sanitizer_allows_shared_pool_while_a_graph_lives(sim):
+    be, san, c = sim
+    h = be.graph_pool_handle()
+    keep = [(g, c.step(g, h)) for g in (be.new_graph(), be.new_graph(), be.new_graph())]
+    assert san.findings()[0].kind == "unreleased_graph" and len(san.findings()) == 3
+    del keep
+
+
+def test_sanitizer_mempool_owner_keeps_pool_live_on_device(sim):
+    be, san, c = sim
+    mp = be.mempool(0)
+    g = be.new_graph()
+    y = c.step(g, mp.id)  # noqa: F841
+    g.reset()
+    # the MemPool keeps the device count up, but the host ledger is at 0: torch 2.11 would assert
+    with pytest.raises(StalePoolError, match="host allocator"):
+        c.step(be.new_graph(), mp.id)
+    be.host_empty_cache()
+    c.step(be.new_graph(), mp.id)
+
+
+def test_sanitizer_destruction_counts_as_release(sim):
+    be, _, c = sim
+    h = be.graph_pool_handle()
+    g = be.new_graph()
+    y = c.step(g, h)  # noqa: F841
+    del g
+    with pytest.raises(StalePoolError):
+        c.step(be.new_graph(), h)
+
+
+def test_sanitizer_findings_pinned_pool_with_block_stacks():
+    be = SimBackend()
+    with PoolSanitizer(be, record_history=True) as san:
+        c = Ctx(be)
+        h = be.graph_pool_handle()
+        g = be.new_graph()
+        y = c.step(g, h)
+        g.reset()
+        (f,) = san.findings()
+        assert f.kind == "pinned_pool" and f.bytes == 2 << 20
+        assert any("in step" in s for s in f.stacks)
+        del y
+        assert san.findings() == []
+
+
+def test_sanitizer_failed_capture_is_pool_never_retired(sim):
+    be, san, c = sim
+    h = be.graph_pool_handle()
+    g = be.new_graph()
+    x = c.tensor()
+    with pytest.raises(RuntimeError):
+        c.capture(g, h, lambda: (x * 2).sum().item())
+    g.reset()
+    kinds = [f.kind for f in san.findings()]
+    assert kinds == ["pool_never_retired"]
+
+
+def test_sanitizer_no_false_positive_on_runner_engines(sim):
+    be, san, _ = sim
+    for _ in range(3):
+        with CUDAGraphRunner(lambda x: torch.relu(x * 2), [1, 2, 4], (8,), backend=be) as r:
+            r.run(torch.randn(3, 8))
+    assert san.stale_caught == 0 and san.findings() == []
+
+
+def test_sanitizer_strict_check_raises():
+    be = SimBackend()
+    with PoolSanitizer(be, mode="strict") as san:
+        g = be.new_graph()
+        y = Ctx(be).step(g, be.graph_pool_handle())  # noqa: F841
+        with pytest.raises(AssertionError, match="unreleased_graph"):
+            san.check()
+
+
+def test_sanitizer_stop_restores_the_api():
+    before = (SimGraph.capture_begin, SimGraph.reset, SimBackend.graph_pool_handle)
+    be = SimBackend()
+    with PoolSanitizer(be):
+        assert SimGraph.capture_begin is not before[0]
+    assert (SimGraph.capture_begin, SimGraph.reset, SimBackend.graph_pool_handle) == before
+
+
+def test_sanitizer_watches_only_its_own_sim_world(sim):
+    be, san, _ = sim
+    other = SimBackend()
+    c2 = Ctx(other)
+    h = other.graph_pool_handle()
+    g = other.new_graph()
+    y = c2.step(g, h)  # noqa: F841
+    g.reset()
+    with pytest.raises(RuntimeError, match="use_count > 0"):  # not ours: the allocator itself asserts
+        c2.step(other.new_graph(), h)
+    assert san.ledger() == []
+
+
+def test_sanitizer_lazy_pool_ids_are_never_stale(sim):
+    be, san, c = sim
+    lp = LazyPool(be)
+    outs = []
+    for _ in range(3):
+        g = be.new_graph()
+        outs.append(c.step(g, lp.acquire(0)))
+        g.reset()
+        lp.retire()
+    assert san.stale_caught == 0 and len({f.pool_id for f in san.findings()}) == 3  # pinned by `outs`
+
+
+def test_sanitizer_env_install(monkeypatch):
+    assert install_from_env({}) is None
+    san = install_from_env({"CUDAGRAPH_SANITIZE": "strict", "CUDAGRAPH_SANITIZE_BACKEND": "sim"})
+    try:
+        assert san.active and san.mode == "strict"
+    finally:
+        san.stop()
+
+
+def test_sanitizer_bad_mode():
+    with pytest.raises(ValueError, match="sanitizer mode"):
+        PoolSanitizer(SimBackend(), mode="loud")
