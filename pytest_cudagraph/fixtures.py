@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 
-from cudagraph_lifecycle.cycle import drop_held, run_cycle
+from cudagraph_lifecycle.cycle import drop_held, dump_memory_snapshot, run_cycle
 from cudagraph_lifecycle.errors import ConfigError
 
 from .assertions import EngineCycleError, check_record
@@ -106,6 +109,21 @@ class EngineSequence:
         self.backend = backend
         self.records: list[dict] = []
 
+    def _snapshot(self, error: Exception | None) -> None:
+        """On CUDA, dump the worker's memory snapshot for PyTorch's memory visualizer; path in the report."""
+        if isinstance(error, (WorkerCrashed, WorkerTimeout)) or (
+                isinstance(error, RemoteError) and error.poisons_process):
+            return  # that process is gone or unusable
+        folder = _settings(self._request.config).get("report")
+        folder = os.path.join(os.path.dirname(folder), "cudagraph-snapshots") if folder else tempfile.gettempdir()
+        name = re.sub(r"[^A-Za-z0-9_.-]+", "_", self._request.node.nodeid)[-120:]
+        try:
+            path = self.worker.call(dump_memory_snapshot, os.path.join(folder, f"{name}.pickle"))
+        except Exception:
+            return
+        if path:
+            self._request.node.user_properties.append(("cudagraph_snapshot", path))
+
     def _publish(self) -> None:
         props = self._request.node.user_properties
         props[:] = [p for p in props if p[0] != PROPERTY]
@@ -132,11 +150,13 @@ class EngineSequence:
                         "index": i, "pid": self.worker.pid, "backend": self.backend, "pool_ids": [],
                         "fresh": False, "problems": [f"{kind}: {first}"],
                     })
+                    self._snapshot(e)
                     self._publish()
                     raise EngineCycleError(f"engine {i} of the sequence failed in the reused worker: {e}") from None
                 self.records.append(rec)
                 self._publish()
-                if check:
+                if check and not rec.get("fresh"):
+                    self._snapshot(None)
                     check_record(rec)
             left = self.worker.call(drop_held, self.backend)
             if check and left:

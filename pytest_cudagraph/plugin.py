@@ -15,6 +15,7 @@ import pytest
 from . import settings
 from .fixtures import (  # noqa: F401 - fixtures are registered by import
     PROPERTY,
+    _cudagraph_sanitize,
     cudagraph_backend_name,
     cudagraph_module_worker,
     cudagraph_session_worker,
@@ -128,6 +129,10 @@ def _record(state: dict, rep: pytest.TestReport) -> None:
     for name, value in rep.user_properties:
         if name == PROPERTY:
             entry["cycles"] = json.loads(value)
+        elif name == "cudagraph_findings":
+            entry["sanitizer"] = json.loads(value)
+        elif name == "cudagraph_snapshot":
+            entry["memory_snapshot"] = value
 
 
 class _XdistReports:
@@ -211,7 +216,43 @@ def _write_report(config: pytest.Config, s: dict, state: dict, exitstatus: int) 
             "not_fresh": sum(1 for _, c in rows if not c.get("fresh")),
         },
     }
+    png = _timeline_png(rows, s["report"])
+    if png:
+        report["meta"]["timeline_png"] = png
     tmp = s["report"] + ".tmp"
     with open(tmp, "w") as f:
         json.dump(report, f, indent=1)
     os.replace(tmp, s["report"])
+
+
+def _timeline_png(rows: list[tuple[str, dict]], report_path: str) -> str | None:
+    """Pool bytes across engine cycles, next to the JSON report, when matplotlib is installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    if not rows:
+        return None
+    xs = list(range(len(rows)))
+    before = [c.get("bytes_before_release", 0) / 2**20 for _, c in rows]
+    held = [c.get("bytes_pinned_by_held_output", 0) / 2**20 for _, c in rows]
+    leaked = [(c.get("bytes_after_release", 0) - c.get("bytes_pinned_by_held_output", 0)) / 2**20 for _, c in rows]
+    fig, ax = plt.subplots(figsize=(max(6, len(rows) * 0.4), 3.5))
+    ax.plot(xs, before, "o-", label="pool bytes before release")
+    ax.plot(xs, held, "s--", label="pinned by the held output")
+    ax.plot(xs, leaked, "x-", color="red", label="leaked after release")
+    for x, (_, c) in zip(xs, rows):
+        if not c.get("fresh"):
+            ax.axvline(x, color="red", alpha=0.2)
+    ax.set_xlabel("engine cycle (in test order)")
+    ax.set_ylabel("MiB")
+    ax.set_title("cudagraph lifecycle: pool memory per engine cycle")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = os.path.splitext(report_path)[0] + ".png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

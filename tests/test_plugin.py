@@ -258,3 +258,40 @@ def test_no_worker_left_after_session(pytester):
         del os.environ["PIDFILE"]
     with pytest.raises(ProcessLookupError):
         os.kill(int(pidfile.read_text()), 0)
+
+
+def test_report_timeline_png(pytester):
+    pytest.importorskip("matplotlib")
+    pytester.makepyfile(test_a='''
+        from engines_mod import good
+        def test_seq(engine_sequence):
+            engine_sequence(good, 3)
+    ''')
+    report = pytester.path / "r.json"
+    run(pytester, f"--cudagraph-report={report}").assert_outcomes(passed=1)
+    png = json.loads(report.read_text())["meta"]["timeline_png"]
+    assert png.endswith("r.png") and os.path.getsize(png) > 1000
+
+
+def test_sanitizer_findings_in_report_and_strict(pytester):
+    pytester.makepyfile(test_a='''
+        import pytest, torch
+        from cudagraph_lifecycle.cycle import process_backend
+        @pytest.mark.cudagraph
+        def test_leaves_a_graph():
+            be = process_backend("sim")
+            g = be.new_graph()
+            x = torch.ones(4)
+            with be.stream(be.new_stream(0)):
+                g.capture_begin(pool=be.graph_pool_handle())
+                y = x * 2
+                g.capture_end()
+            test_leaves_a_graph.keep = (g, y)
+    ''')
+    report = pytester.path / "r.json"
+    run(pytester, f"--cudagraph-report={report}").assert_outcomes(passed=1)
+    (t,) = json.loads(report.read_text())["tests"]
+    assert t["sanitizer"][0]["kind"] == "unreleased_graph"
+    res = run(pytester, "--cudagraph-sanitize=strict")
+    res.assert_outcomes(passed=1, errors=1)
+    res.stdout.fnmatch_lines(["*pool sanitizer findings*", "*unreleased_graph*"])

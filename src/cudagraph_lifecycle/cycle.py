@@ -201,3 +201,12 @@ def drop_held(backend: str = "auto") -> int:
     del held  # the output goes now: nothing here may keep it
     _settle(be)
     return _pool_bytes(be, pools)
+
+
+def dump_memory_snapshot(path: str) -> str | None:
+    """Write ``torch.cuda.memory._dump_snapshot`` (PyTorch's memory visualizer opens it); None off CUDA."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return None
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    torch.cuda.memory._dump_snapshot(path)
+    return path
