@@ -15,6 +15,7 @@ from cudagraph_lifecycle.cycle import drop_held, dump_memory_snapshot, run_cycle
 from cudagraph_lifecycle.errors import ConfigError
 
 from .assertions import EngineCycleError, check_record
+from .mpi import MPIRanks, RankError
 from .worker import RemoteError, ReusedWorker, WorkerCrashed, WorkerTimeout
 
 SCOPES = ("function", "module", "session")
@@ -29,9 +30,7 @@ def _settings(config: pytest.Config) -> dict[str, Any]:
 
 def _new_worker(config: pytest.Config, name: str, sanitize: str | None = None) -> ReusedWorker:
     s = _settings(config)
-    env = {}
-    if (sanitize or s["sanitize"]) != "off":  # the worker installs a sanitizer on its (one) backend at start
-        env = {"CUDAGRAPH_SANITIZE": sanitize or s["sanitize"], "CUDAGRAPH_SANITIZE_BACKEND": s["backend"]}
+    env = _worker_env(s, sanitize)  # the worker installs a sanitizer on its (one) backend at start
     return ReusedWorker(start_method=s["start_method"], timeout=s["timeout"] or None, name=name, env=env)
 
 
@@ -94,6 +93,28 @@ def cudagraph_session_worker(pytestconfig: pytest.Config):
     w.close()
 
 
+def _worker_env(s: dict[str, Any], sanitize: str | None = None) -> dict[str, str]:
+    if (sanitize or s["sanitize"]) == "off":
+        return {}
+    return {"CUDAGRAPH_SANITIZE": sanitize or s["sanitize"], "CUDAGRAPH_SANITIZE_BACKEND": s["backend"]}
+
+
+def _mpi_ranks(config: pytest.Config, ranks: int | None = None) -> MPIRanks:
+    s = _settings(config)
+    if s["mpi_unavailable"]:
+        pytest.skip(f"needs MPI: {s['mpi_unavailable']}")
+    return MPIRanks(ranks or s["mpi_ranks"], timeout=s["timeout"] or None, env=_worker_env(s))
+
+
+@pytest.fixture(scope="module")
+def cudagraph_mpi_ranks(pytestconfig: pytest.Config):
+    """Reused MPI ranks for one module (``--cudagraph-mpi-ranks``, default 2): ``ranks.call_all(fn, ...)``
+    runs ``fn`` on every rank and returns ``[(rank, pid, value), ...]``. Skipped without MPI."""
+    ranks = _mpi_ranks(pytestconfig)
+    yield ranks
+    ranks.close()
+
+
 class EngineSequence:
     """``engine_sequence(factory, n)``: n engines one after another in ONE reused worker.
 
@@ -102,12 +123,18 @@ class EngineSequence:
     check, a crash or the allocator's assert raises :class:`EngineCycleError` naming the engine.
     """
 
-    def __init__(self, request: pytest.FixtureRequest, default_n: int, worker: ReusedWorker, backend: str):
+    def __init__(self, request: pytest.FixtureRequest, default_n: int, worker: ReusedWorker | MPIRanks,
+                 backend: str):
         self._request = request
         self._default_n = default_n
-        self.worker = worker
+        self.worker = worker  # a ReusedWorker, or MPIRanks (every call runs on every rank)
         self.backend = backend
         self.records: list[dict] = []
+
+    def _call(self, fn, *args) -> list[tuple[int | None, int | None, Any]]:
+        if isinstance(self.worker, MPIRanks):
+            return self.worker.call_all(fn, *args)
+        return [(None, self.worker.pid, self.worker.call(fn, *args))]
 
     def _snapshot(self, error: Exception | None) -> None:
         """On CUDA, dump the worker's memory snapshot for PyTorch's memory visualizer; path in the report."""
@@ -117,6 +144,8 @@ class EngineSequence:
         folder = _settings(self._request.config).get("report")
         folder = os.path.join(os.path.dirname(folder), "cudagraph-snapshots") if folder else tempfile.gettempdir()
         name = re.sub(r"[^A-Za-z0-9_.-]+", "_", self._request.node.nodeid)[-120:]
+        if isinstance(self.worker, MPIRanks):
+            return  # one snapshot per rank would need a path per rank; the records name the rank instead
         try:
             path = self.worker.call(dump_memory_snapshot, os.path.join(folder, f"{name}.pickle"))
         except Exception:
@@ -142,24 +171,30 @@ class EngineSequence:
         try:
             for i in range(start, start + n):
                 try:
-                    rec = self.worker.call(run_cycle, factory, self.backend, i, atol, hold_output).as_dict()
-                except (RemoteError, WorkerCrashed, WorkerTimeout) as e:
+                    results = self._call(run_cycle, factory, self.backend, i, atol, hold_output)
+                except (RemoteError, RankError, WorkerCrashed, WorkerTimeout) as e:
                     kind = type(e).__name__
                     first = str(e).strip().splitlines()[0] if str(e).strip() else kind
                     self.records.append({
-                        "index": i, "pid": self.worker.pid, "backend": self.backend, "pool_ids": [],
-                        "fresh": False, "problems": [f"{kind}: {first}"],
+                        "index": i, "pid": getattr(self.worker, "pid", None), "rank": None, "backend": self.backend,
+                        "pool_ids": [], "fresh": False, "problems": [f"{kind}: {first}"],
                     })
                     self._snapshot(e)
                     self._publish()
                     raise EngineCycleError(f"engine {i} of the sequence failed in the reused worker: {e}") from None
-                self.records.append(rec)
+                recs = []
+                for rank, _pid, rec in results:
+                    rec = rec.as_dict()
+                    rec["rank"] = rank
+                    recs.append(rec)
+                self.records.extend(recs)
                 self._publish()
-                if check and not rec.get("fresh"):
-                    self._snapshot(None)
-                    check_record(rec)
-            left = self.worker.call(drop_held, self.backend)
-            if check and left:
+                for rec in recs:
+                    if check and not rec.get("fresh"):
+                        self._snapshot(None)
+                        check_record(rec)
+            left = [v for _, _, v in self._call(drop_held, self.backend)]
+            if check and any(left):
                 raise EngineCycleError(f"the last engine's pools still hold {left} bytes once its output was dropped")
         finally:
             self._publish()
@@ -174,13 +209,22 @@ def engine_sequence(request: pytest.FixtureRequest, pytestconfig: pytest.Config)
     and which worker holds them (a module or session worker keeps state across tests).
     """
     marker = request.node.get_closest_marker("cudagraph_engines")
-    n, scope, sanitize = 3, "function", None
+    n, scope, sanitize, ranks = 3, "function", None, None
     if marker is not None:
         if marker.args:
             n = marker.args[0]
         n = marker.kwargs.get("n", n)
         scope = marker.kwargs.get("scope", scope)
         sanitize = marker.kwargs.get("sanitize")
+        ranks = marker.kwargs.get("ranks")
+    s = _settings(pytestconfig)
+    if s["worker"] == "mpi" or ranks is not None:
+        if scope == "module" and ranks is None:
+            holder = request.getfixturevalue("cudagraph_mpi_ranks")
+        else:
+            holder = _mpi_ranks(pytestconfig, ranks)
+            request.addfinalizer(holder.close)
+        return EngineSequence(request, n, holder, s["backend"])
     if sanitize not in (None, "off", "on", "strict"):
         raise ConfigError(f"cudagraph_engines(sanitize={sanitize!r}): choose off, on or strict")
     if sanitize is not None:

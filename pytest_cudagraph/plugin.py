@@ -18,11 +18,13 @@ from .fixtures import (  # noqa: F401 - fixtures are registered by import
     _cudagraph_sanitize,
     cudagraph_backend_name,
     cudagraph_module_worker,
+    cudagraph_mpi_ranks,
     cudagraph_session_worker,
     cudagraph_worker,
     engine_sequence,
 )
 from .gpu import pin_xdist_worker, visible_gpu_count
+from .mpi import mpi_unavailable_reason
 from .worker import close_all_workers, resolve_start_method
 
 SETTINGS_KEY = pytest.StashKey[dict]()
@@ -53,9 +55,13 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers", "gpu: needs a usable GPU; skipped without one unless --cudagraph-require-gpu (then the session stops)"
     )
     config.addinivalue_line(
+        "markers", "mpi: needs MPI ranks; skipped without mpi4py and an MPI runtime unless --cudagraph-require-mpi"
+    )
+    config.addinivalue_line(
         "markers",
         "cudagraph_engines(n=3, scope='function', sanitize=None): engine count for engine_sequence, the scope of "
-        "the reused worker that holds them (function, module or session), and a per-test sanitizer mode",
+        "the reused worker that holds them (function, module or session), a per-test sanitizer mode, and "
+        "ranks=N for --cudagraph-worker=mpi",
     )
     s = settings.resolve(config)
     workerinput = getattr(config, "workerinput", None)
@@ -74,6 +80,9 @@ def pytest_configure(config: pytest.Config) -> None:
     if s["require_gpu"] and s["backend"] == "sim":
         raise pytest.UsageError("--cudagraph-require-gpu contradicts --cudagraph-backend=sim: drop one of them")
     s["effective_backend"] = {"auto": "cuda" if s["gpus"] else "sim"}.get(s["backend"], s["backend"])
+    s["mpi_unavailable"] = mpi_unavailable_reason()
+    if s["require_mpi"] and s["mpi_unavailable"]:
+        raise pytest.UsageError(f"--cudagraph-require-mpi: {s['mpi_unavailable']}")
     try:
         s["start_method_effective"], s["start_reason"] = resolve_start_method(s["start_method"])
     except ValueError as e:
@@ -94,18 +103,21 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
         return []
     return [
         f"cudagraph: backend={s['backend']} (effective {s['effective_backend']}), gpus={s['gpus']}, "
-        f"workers start by {s['start_reason']}, timeout={s['timeout']:g}s"
+        f"workers start by {s['start_reason']}, timeout={s['timeout']:g}s, engines held by {s['worker']}"
+        + (f" ({s['mpi_ranks']} ranks)" if s["worker"] == "mpi" else "")
     ]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     s = config.stash[SETTINGS_KEY]
-    if s["effective_backend"] == "cuda" and s["gpus"]:
-        return
-    skip = pytest.mark.skip(reason="needs a usable GPU (none visible; --cudagraph-require-gpu would stop instead)")
+    no_gpu = not (s["effective_backend"] == "cuda" and s["gpus"])
+    skip_gpu = pytest.mark.skip(reason="needs a usable GPU (none visible; --cudagraph-require-gpu would stop instead)")
+    skip_mpi = pytest.mark.skip(reason=f"needs MPI: {s['mpi_unavailable']}")
     for item in items:
-        if item.get_closest_marker("gpu") is not None:
-            item.add_marker(skip)
+        if no_gpu and item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip_gpu)
+        if s["mpi_unavailable"] and item.get_closest_marker("mpi") is not None:
+            item.add_marker(skip_mpi)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -157,6 +169,11 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     close_all_workers()  # also after crashes and Ctrl-C: no worker process outlives the session
 
 
+def _who(c: dict) -> str:
+    pid = str(c.get("pid") or "-")
+    return pid if c.get("rank") is None else f"{pid}/r{c['rank']}"
+
+
 def _rows(state: dict) -> list[tuple[str, dict]]:
     return [(t["nodeid"], c) for t in state["tests"].values() for c in t["cycles"]]
 
@@ -172,13 +189,13 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     if rows:
         tr = terminalreporter
         tr.section("cudagraph lifecycle")
-        tr.write_line(f"{'test':<48} {'#':>2} {'pid':>7} {'pool':>9} {'graphs':>6} {'capture ms':>10} "
+        tr.write_line(f"{'test':<48} {'#':>2} {'pid/rank':>9} {'pool':>9} {'graphs':>6} {'capture ms':>10} "
                       f"{'pool bytes':>11} {'held':>9} {'leaked':>7} fresh")
         for nodeid, c in rows:
             pool = ",".join(f"{p[1][0]}:{p[1][1]}" for p in c.get("pool_ids") or []) or "-"
             name = nodeid if len(nodeid) <= 48 else "…" + nodeid[-47:]
             tr.write_line(
-                f"{name:<48} {c['index']:>2} {c.get('pid') or '-':>7} {pool:>9} {c.get('graphs', 0):>6} "
+                f"{name:<48} {c['index']:>2} {_who(c):>9} {pool:>9} {c.get('graphs', 0):>6} "
                 f"{c.get('capture_ms', 0.0):>10.1f} {c.get('bytes_before_release', 0):>11} "
                 f"{c.get('bytes_pinned_by_held_output', 0):>9} "
                 f"{c.get('bytes_after_release', 0) - c.get('bytes_pinned_by_held_output', 0):>7} "

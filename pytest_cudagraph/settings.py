@@ -21,7 +21,7 @@ class Option:
     ini: str
     default: Any
     help: str
-    kind: str = "str"  # str | bool | float | path
+    kind: str = "str"  # str | bool | int | float | path
     choices: tuple = ()
 
 
@@ -39,6 +39,13 @@ OPTIONS = [
     Option("sanitize", "CUDAGRAPH_SANITIZE_MODE", "cudagraph_sanitize", "on",
            "pool sanitizer in reused workers and cudagraph-marked tests: off, on (stale captures raise "
            "StalePoolError; findings reported), strict (findings fail the test)", choices=("off", "on", "strict")),
+    Option("worker", "CUDAGRAPH_WORKER_KIND", "cudagraph_worker", "fork",
+           "what holds engine sequences: fork (reused worker processes; spawn where CUDA is initialized) or "
+           "mpi (reused mpi4py.futures MPIPoolExecutor ranks)", choices=("fork", "mpi")),
+    Option("mpi-ranks", "CUDAGRAPH_MPI_RANKS", "cudagraph_mpi_ranks", 2,
+           "MPI ranks per pool when --cudagraph-worker=mpi (a marker's ranks= wins)", kind="int"),
+    Option("require-mpi", "CUDAGRAPH_REQUIRE_MPI", "cudagraph_require_mpi", False,
+           "stop the session at start (exit code 4) when mpi4py or an MPI runtime is missing", kind="bool"),
     Option("report", "CUDAGRAPH_REPORT", "cudagraph_report", None,
            "write a JSON report of every engine cycle and test outcome to this path", kind="path"),
 ]
@@ -68,6 +75,14 @@ def _convert(o: Option, raw: Any, source: str) -> Any:
         if text in ("0", "false", "no", "off", ""):
             return False
         raise pytest.UsageError(f"{where}={raw!r} is not a boolean: use 1/0, true/false, yes/no, on/off")
+    if o.kind == "int":
+        try:
+            value = int(raw)
+        except (TypeError, ValueError):
+            raise pytest.UsageError(f"{where}={raw!r} is not an integer: e.g. {where}=2") from None
+        if value < 1:
+            raise pytest.UsageError(f"{where}={raw!r}: give a positive number")
+        return value
     if o.kind == "float":
         try:
             value = float(raw)

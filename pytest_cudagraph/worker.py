@@ -124,7 +124,7 @@ def _child_main(conn, stderr_path: str, sys_path: list[str], env: dict[str, str]
         # CPU op would hang. One thread, as torch's DataLoader workers do.
         torch.set_num_threads(1)
     os.environ.update(env)
-    os.environ["CUDAGRAPH_WORKER"] = "1"
+    os.environ["CUDAGRAPH_IN_WORKER"] = "1"
     if os.environ.get("CUDAGRAPH_SANITIZE"):
         from cudagraph_lifecycle.sanitizer import install_from_env
 

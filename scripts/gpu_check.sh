@@ -5,7 +5,9 @@
 set -u -o pipefail
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
-LOG=$OUT/full.log
+R=$(mktemp -d)/gpu-results    # everything lands here, then travels back as one archive
+mkdir -p "$R"
+LOG=$R/full.log
 exec > >(tee "$LOG") 2>&1
 export PYTHONUNBUFFERED=1
 step() { echo; echo "=== $* ($(date -u +%H:%M:%S))"; }
@@ -14,7 +16,7 @@ step install
 python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/site . 2>&1 | tail -3 \
   || python3 -m pip install -q --no-deps --no-index --target /tmp/site .whl/pytest_cudagraph-*.whl
 export PYTHONPATH=/tmp/site
-python3 - <<'PY' | tee "$OUT/summary.md"
+python3 - <<'PY' | tee "$R/summary.md"
 import datetime, subprocess, torch
 print("# GPU check")
 print(f"- date: {datetime.datetime.utcnow():%Y-%m-%d %H:%M} UTC")
@@ -27,20 +29,28 @@ print(f"- pytest {pytest.__version__}, pytest-cudagraph {md.version('pytest-cuda
 PY
 rc=0
 step conformance on cuda
-python3 -m cudagraph_lifecycle.conformance --backend cuda --jobs 8 --json "$OUT/conformance-cuda.json" || rc=1
+python3 -m cudagraph_lifecycle.conformance --backend cuda --jobs 8 --json "$R/conformance-cuda.json" || rc=1
 step GPU tests
 python3 -m pytest -p cudagraph -q tests/test_gpu.py --cudagraph-require-gpu -p no:cacheprovider || rc=1
 step "examples, fork path (pytest process without CUDA)"
-python3 -m pytest -p cudagraph examples/ --cudagraph-require-gpu --cudagraph-report="$OUT/examples-fork.json" \
+python3 -m pytest -p cudagraph examples/ --cudagraph-require-gpu --cudagraph-report="$R/examples-fork.json" \
   -p no:cacheprovider || rc=1
 step "examples, spawn path (pytest process initialized CUDA)"
 CUDAGRAPH_EXAMPLES_INIT_CUDA=1 python3 -m pytest -p cudagraph examples/ --cudagraph-require-gpu \
-  --cudagraph-report="$OUT/examples-spawn.json" -p no:cacheprovider || rc=1
+  --cudagraph-report="$R/examples-spawn.json" -p no:cacheprovider || rc=1
 step "examples, -n 2 on one GPU"
 python3 -m pytest -p cudagraph examples/ -n 2 --cudagraph-require-gpu -p no:cacheprovider -q || rc=1
 step bench runner
-python3 bench/bench_runner.py --backend cuda --json "$OUT/bench-runner.json" || rc=1
+python3 bench/bench_runner.py --backend cuda --json "$R/bench-runner.json" || rc=1
 step bench worker
-python3 bench/bench_worker.py --backend cuda --engines 3 --json "$OUT/bench-worker.json" || rc=1
+python3 bench/bench_worker.py --backend cuda --engines 3 --json "$R/bench-worker.json" || rc=1
+step "examples on 2 MPI ranks sharing the GPU"
+python3 -m pytest -p cudagraph examples/test_mpi_lifecycle.py --cudagraph-require-gpu --cudagraph-require-mpi \
+  --cudagraph-report="$R/examples-mpi.json" -p no:cacheprovider || rc=1
+step bench mpi
+python3 bench/bench_mpi.py --backend cuda --ranks 2 --engines 3 --json "$R/bench-mpi.json" || rc=1
 step done rc=$rc
+sleep 1
+cp "$R/summary.md" "$OUT/" 2>/dev/null
+tar -czf "$OUT/gpu-results.tgz" -C "$(dirname "$R")" gpu-results
 exit $rc

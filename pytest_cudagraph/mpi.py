@@ -1,0 +1,145 @@
+"""Real reused MPI ranks: an ``mpi4py.futures.MPIPoolExecutor`` whose ranks hold engines across calls, the
+way TensorRT-LLM deploys them (a module-scoped pool of 2, 4 or 8 ranks).
+
+The executor lives in a controller process (a :class:`ReusedWorker`), not in pytest: when a rank dies,
+the MPI runtime may abort the whole job, and with it the process that spawned the ranks. Behind the
+controller that costs one worker, reported as a crash with the rank's stderr; the controller's process group
+(the MPI daemon and every rank) is killed on a timeout; the next call starts fresh ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from typing import Any
+
+import cloudpickle
+
+from .worker import ReusedWorker
+
+# Open MPI refuses root and more ranks than cores unless told: CI machines and containers are both.
+MPI_ENV = {
+    "OMPI_ALLOW_RUN_AS_ROOT": "1",
+    "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+    "OMPI_MCA_rmaps_base_oversubscribe": "1",
+}
+
+
+def mpi_unavailable_reason() -> str | None:
+    """None when mpi4py and an MPI runtime are here, else why not (one line)."""
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        return "mpi4py is not installed (pip install mpi4py; it needs an MPI runtime such as Open MPI)"
+    if shutil.which("mpiexec") is None and shutil.which("mpirun") is None:
+        return "no MPI runtime: mpiexec is not on PATH (e.g. apt-get install openmpi-bin)"
+    return None
+
+
+_executor = None
+_executor_size = 0
+_rank_pids: dict[int, int] = {}
+
+
+def _on_rank(payload: bytes) -> bytes:
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    comm.Barrier()  # every rank takes exactly one task of the batch
+    rank = comm.Get_rank()
+    try:
+        fn, args, kwargs = cloudpickle.loads(payload)
+        return cloudpickle.dumps((rank, os.getpid(), "ok", fn(*args, **kwargs)))
+    except BaseException as e:
+        import traceback
+
+        return cloudpickle.dumps((rank, os.getpid(), "err", (type(e).__qualname__, str(e), traceback.format_exc())))
+
+
+def _dead(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+def _run_batch(ranks: int, payload: bytes) -> list[tuple]:
+    from concurrent.futures import wait
+
+    futs = [_executor.submit(_on_rank, payload) for _ in range(ranks)]
+    while True:
+        _, pending = wait(futs, timeout=0.5)
+        if not pending:
+            return sorted((cloudpickle.loads(f.result()) for f in futs), key=lambda r: r[0])
+        dead = [(r, p) for r, p in _rank_pids.items() if _dead(p)]
+        if dead:
+            # A dead rank leaves the batch waiting forever, and the MPI job is broken: end this controller
+            # so the caller reports a crash (the rank's own stderr is above) and starts fresh ranks.
+            print(f"cudagraph mpi: rank {dead[0][0]} (pid {dead[0][1]}) died during the call", file=sys.stderr,
+                  flush=True)
+            os._exit(70)
+
+
+def _call_all(ranks: int, payload: bytes, path: list[str]) -> list[tuple]:
+    """Runs in the controller: the same call on every rank; results sorted by rank."""
+    global _executor, _executor_size
+    from mpi4py.futures import MPIPoolExecutor
+
+    if _executor is None or _executor_size != ranks:
+        if _executor is not None:
+            _executor.shutdown(wait=True)
+        _executor = MPIPoolExecutor(max_workers=ranks, path=path)
+        _executor_size = ranks
+        _rank_pids.clear()
+        for rank, pid, _, _ in _run_batch(ranks, cloudpickle.dumps((os.getpid, (), {}))):
+            _rank_pids[rank] = pid
+    return _run_batch(ranks, payload)
+
+
+class RankError(Exception):
+    """The callable raised on one or more ranks: each rank's type, message and traceback."""
+
+    def __init__(self, failures: list[tuple[int, int, tuple]]):
+        self.failures = failures
+        lines = [f"rank {rank} (pid {pid}): {t}: {m}" for rank, pid, (t, m, _) in failures]
+        tb = failures[0][2][2]
+        super().__init__("; ".join(lines) + f"\n\n--- traceback on rank {failures[0][0]} ---\n{tb}")
+
+
+class MPIRanks:
+    """``n`` reused MPI ranks behind a controller worker: :meth:`call_all` runs a callable on every rank.
+
+    Returns ``[(rank, pid, value), ...]``; raises :class:`RankError` if it raised on any rank, and the
+    controller's :class:`WorkerCrashed` / :class:`WorkerTimeout` when a rank crashed or hung (the ranks are
+    then replaced at the next call).
+    """
+
+    def __init__(self, ranks: int = 2, timeout: float | None = None, env: dict[str, str] | None = None):
+        if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
+            raise ValueError(f"ranks must be a positive int, got {ranks!r}")
+        reason = mpi_unavailable_reason()
+        if reason:
+            raise RuntimeError(f"MPI ranks are not available: {reason}")
+        self.ranks = ranks
+        # spawn: the controller must not inherit a parent's MPI or CUDA state
+        self.controller = ReusedWorker(start_method="spawn", timeout=timeout, env={**MPI_ENV, **(env or {})},
+                                       name=f"mpi{ranks}")
+
+    def call_all(self, fn, *args: Any, **kwargs: Any) -> list[tuple[int, int, Any]]:
+        payload = cloudpickle.dumps((fn, args, kwargs))
+        results = self.controller.call(_call_all, self.ranks, payload, list(sys.path))
+        failures = [(rank, pid, v) for rank, pid, status, v in results if status == "err"]
+        if failures:
+            raise RankError(failures)
+        return [(rank, pid, v) for rank, pid, _, v in results]
+
+    def close(self) -> None:
+        self.controller.close()
+
+    def __enter__(self) -> MPIRanks:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

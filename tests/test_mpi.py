@@ -1,0 +1,134 @@
+"""MPI ranks (mpi4py.futures) through pytester: sequences per rank, a crash and a hang on a rank, skips."""
+
+import json
+import os
+import sys
+
+import pytest
+
+from pytest_cudagraph.mpi import mpi_unavailable_reason
+
+needs_mpi = pytest.mark.skipif(mpi_unavailable_reason() is not None, reason=str(mpi_unavailable_reason()))
+
+ENGINES = '''
+import os, time, torch
+from cudagraph_lifecycle import CUDAGraphRunner
+
+class Engine:
+    def __init__(self, backend):
+        self.runner = CUDAGraphRunner(lambda x: torch.relu(x * 2), [1, 2, 4], (8,), backend=backend)
+    def capture(self): self.runner.capture()
+    def run(self, x): return self.runner.run(x)
+    def eager(self, x): return torch.relu(x * 2)
+    def example_input(self): return torch.randn(3, 8)
+    def release(self): self.runner.release()
+
+def good(backend): return Engine(backend)
+
+def rank():
+    from mpi4py import MPI
+    return MPI.COMM_WORLD.Get_rank()
+
+def crash_on_rank1(backend):
+    if rank() == 1:
+        os.abort()
+    return Engine(backend)
+
+def hang_on_rank0(backend):
+    if rank() == 0:
+        time.sleep(120)
+    return Engine(backend)
+'''
+
+
+def run(pytester, *args):
+    pytester.makepyfile(engines_mod=ENGINES)
+    return pytester.runpytest_subprocess("-p", "cudagraph", "-p", "no:cacheprovider", *args)
+
+
+@needs_mpi
+def test_mpi_worker_option_runs_sequences_on_every_rank(pytester):
+    pytester.makepyfile(test_a='''
+        from engines_mod import good
+        def test_seq(engine_sequence):
+            recs = engine_sequence(good, 2)
+            assert sorted((r["index"], r["rank"]) for r in recs) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    ''')
+    report = pytester.path / "r.json"
+    res = run(pytester, "--cudagraph-worker=mpi", "--cudagraph-mpi-ranks=2", f"--cudagraph-report={report}")
+    res.assert_outcomes(passed=1)
+    res.stdout.fnmatch_lines(["*engines held by mpi (2 ranks)*", "*/r1*yes*"])
+    cycles = json.loads(report.read_text())["tests"][0]["cycles"]
+    assert {c["rank"] for c in cycles} == {0, 1}
+
+
+@needs_mpi
+def test_mpi_module_ranks_are_reused_across_tests(pytester):
+    pytester.makepyfile(test_a='''
+        import os
+        def test_one(cudagraph_mpi_ranks):
+            test_one.pids = sorted(p for _, p, _ in cudagraph_mpi_ranks.call_all(os.getpid))
+        def test_two(cudagraph_mpi_ranks):
+            assert sorted(p for _, p, _ in cudagraph_mpi_ranks.call_all(os.getpid)) == test_one.pids
+    ''')
+    run(pytester).assert_outcomes(passed=2)
+
+
+@needs_mpi
+def test_crash_on_a_rank_is_reported_and_ranks_replaced(pytester):
+    pytester.makepyfile(test_a='''
+        import pytest
+        from engines_mod import crash_on_rank1, good
+        @pytest.mark.cudagraph_engines(1, ranks=2)
+        def test_crash(engine_sequence):
+            engine_sequence(crash_on_rank1)
+        def test_after(cudagraph_mpi_ranks):
+            assert len(cudagraph_mpi_ranks.call_all(len, "ab")) == 2
+    ''')
+    res = run(pytester, "--cudagraph-timeout=60")
+    res.assert_outcomes(failed=1, passed=1)
+    res.stdout.fnmatch_lines(["*WorkerCrashed*", "*cudagraph mpi: rank 1 (pid *) died during the call*"])
+
+
+@needs_mpi
+def test_hang_on_a_rank_times_out_and_leaves_no_process(pytester):
+    pytester.makepyfile(test_a='''
+        import os, pytest
+        from engines_mod import hang_on_rank0
+        @pytest.mark.cudagraph_engines(1, ranks=2)
+        def test_hang(engine_sequence):
+            engine_sequence.worker.call_all(os.getpid)
+            open(os.environ["PIDFILE"], "w").write(" ".join(str(p) for _, p, _ in engine_sequence.worker.call_all(os.getpid)))
+            engine_sequence(hang_on_rank0)
+    ''')
+    pidfile = pytester.path / "pids"
+    os.environ["PIDFILE"] = str(pidfile)
+    try:
+        res = run(pytester, "--cudagraph-timeout=8")
+    finally:
+        del os.environ["PIDFILE"]
+    res.assert_outcomes(failed=1)
+    res.stdout.fnmatch_lines(["*WorkerTimeout*past the timeout of 8s*"])
+    for pid in map(int, pidfile.read_text().split()):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                assert f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"), f"rank pid {pid} still runs"
+        except FileNotFoundError:
+            pass
+
+
+def test_without_mpi_tests_skip_or_the_session_stops(pytester, monkeypatch):
+    # an environment with python but no mpiexec on PATH
+    monkeypatch.setenv("PATH", os.path.dirname(sys.executable))
+    pytester.makepyfile(test_a='''
+        import pytest
+        @pytest.mark.mpi
+        def test_marked(): pass
+        def test_fixture(cudagraph_mpi_ranks): pass
+    ''')
+    res = run(pytester, "-rs")
+    res.assert_outcomes(skipped=2)
+    res.stdout.fnmatch_lines(["SKIPPED*needs MPI: *", "SKIPPED*needs MPI: *"])
+    res = run(pytester, "--cudagraph-require-mpi")
+    assert res.ret == pytest.ExitCode.USAGE_ERROR
+    res.stderr.fnmatch_lines(["*--cudagraph-require-mpi:*"])
