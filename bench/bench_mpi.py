@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
@@ -18,6 +17,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 from bench.bench_worker import engine_cycle  # noqa: E402
+from bench.common import emit  # noqa: E402
 from pytest_cudagraph.mpi import MPI_ENV, MPIRanks  # noqa: E402
 
 
@@ -52,10 +52,7 @@ def main():
     out = {"meta": {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "backend": a.backend, "ranks": a.ranks,
                     "engines": a.engines},
            "per_engine": {"reused_rank_s": reused, "fresh_mpirun_s": fresh, "ratio": fresh / reused}}
-    print(json.dumps(out, indent=1))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(out, f, indent=1)
+    emit(out, a.json)
 
 
 if __name__ == "__main__":

@@ -9,13 +9,17 @@ alone; 0 bytes left after release (vs a naive release that keeps one output).
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import statistics
+import sys
 import time
 
 import torch
 
-from cudagraph_lifecycle import CUDAGraphRunner, get_backend
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from bench.common import emit  # noqa: E402
+from cudagraph_lifecycle import CUDAGraphRunner, get_backend  # noqa: E402
 
 MiB = 1 << 20
 
@@ -231,10 +235,7 @@ def main():
     out["memory"] = bench_memory(be)
     out["release"] = bench_release(be)
     out["sanitizer"] = bench_sanitizer(be)
-    print(json.dumps(out, indent=1))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(out, f, indent=1)
+    emit(out, a.json)
 
 
 if __name__ == "__main__":

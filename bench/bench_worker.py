@@ -10,7 +10,6 @@ per engine (start + import torch + CUDA init), measured on the GPU.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import statistics
@@ -19,9 +18,11 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import torch  # noqa: E402,F401 - imported before forking, as in a test session
 
+from bench.common import emit  # noqa: E402
 from pytest_cudagraph.worker import ReusedWorker  # noqa: E402
 
 
@@ -139,10 +140,7 @@ def main():
     fresh = per_engine_fresh_process_s(a.backend, a.engines)
     out["per_engine"] = {"reused_worker_s": reused, "fresh_process_s": fresh, "ratio": fresh / reused,
                          "target": 20.0}
-    print(json.dumps(out, indent=1))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(out, f, indent=1)
+    emit(out, a.json)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,24 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     settings.add_options(parser)
 
 
+def forked_incompatibility(pytest_version: str, forked: bool) -> str | None:
+    """pytest-forked cannot run under pytest >= 9.2: every test 'EXITED with status 3' (a NodeId that the
+    forked child cannot marshal). Say so once instead of failing every test."""
+    if not forked:
+        return None
+    try:
+        major, minor = (int(p) for p in pytest_version.split(".")[:2])
+    except ValueError:
+        return None
+    if (major, minor) >= (9, 2):
+        return (
+            f"--forked (pytest-forked) does not work with pytest {pytest_version}: every test ends 'EXITED with "
+            "status 3'. Drop --forked: pytest-cudagraph's reused workers (engine_sequence, cudagraph_worker) "
+            "already isolate CUDA state in child processes; or pin pytest<9.2"
+        )
+    return None
+
+
 def _check_report_path(path: str) -> str:
     path = os.path.abspath(path)
     folder = os.path.dirname(path)
@@ -63,6 +81,9 @@ def pytest_configure(config: pytest.Config) -> None:
         "the reused worker that holds them (function, module or session), a per-test sanitizer mode, and "
         "ranks=N for --cudagraph-worker=mpi",
     )
+    problem = forked_incompatibility(pytest.__version__, bool(getattr(config.option, "forked", False)))
+    if problem:
+        raise pytest.UsageError(problem)
     s = settings.resolve(config)
     workerinput = getattr(config, "workerinput", None)
     if workerinput is not None and s["backend"] != "sim":

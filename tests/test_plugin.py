@@ -295,3 +295,25 @@ def test_sanitizer_findings_in_report_and_strict(pytester):
     res = run(pytester, "--cudagraph-sanitize=strict")
     res.assert_outcomes(passed=1, errors=1)
     res.stdout.fnmatch_lines(["*pool sanitizer findings*", "*unreleased_graph*"])
+
+
+def test_forked_incompatibility_rule():
+    from pytest_cudagraph.plugin import forked_incompatibility
+
+    assert forked_incompatibility("9.2.0", True).startswith("--forked (pytest-forked) does not work with pytest 9.2.0")
+    assert forked_incompatibility("10.0.1", True)
+    assert forked_incompatibility("9.1.3", True) is None
+    assert forked_incompatibility("8.4.2", True) is None
+    assert forked_incompatibility("9.2.0", False) is None
+
+
+def test_forked_where_it_works(pytester):
+    pytest.importorskip("pytest_forked")
+    if tuple(int(p) for p in pytest.__version__.split(".")[:2]) >= (9, 2):
+        pytest.skip("pytest-forked cannot run on pytest >= 9.2")
+    pytester.makepyfile(test_a='''
+        from engines_mod import good
+        def test_seq(engine_sequence):
+            assert all(r["fresh"] for r in engine_sequence(good, 2))
+    ''')
+    run(pytester, "--forked").assert_outcomes(passed=1)
