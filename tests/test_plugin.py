@@ -36,6 +36,11 @@ class Leaky(Engine):
         self.runner.release()
 
 def leaky(backend): return Leaky(backend)
+
+class NeverReleases(Engine):
+    def release(self): pass
+
+def never_releases(backend): return NeverReleases(backend)
 '''
 
 
@@ -317,3 +322,14 @@ def test_forked_where_it_works(pytester):
             assert all(r["fresh"] for r in engine_sequence(good, 2))
     ''')
     run(pytester, "--forked").assert_outcomes(passed=1)
+
+
+def test_engine_that_never_releases(pytester):
+    pytester.makepyfile(test_a='''
+        from engines_mod import never_releases
+        def test_seq(engine_sequence):
+            engine_sequence(never_releases, 2)
+    ''')
+    res = run(pytester)
+    res.assert_outcomes(failed=1)
+    res.stdout.fnmatch_lines(["*not fresh*release() left pool * with use_count *a graph was not reset in release()*"])

@@ -94,6 +94,18 @@ def _pool_bytes(be: Backend, pools) -> int:
     return sum(be.pool_state(p, d).reserved_bytes for d, p in pools)
 
 
+def _use_count(be: Backend, pool_id, device: int) -> int | None:
+    """The allocator's use count where the build exposes it, else the sanitizer's ledger (if one watches)."""
+    uses = be.pool_state(pool_id, device).use_count
+    if uses is None:
+        from .sanitizer import global_sanitizer
+
+        san = global_sanitizer()
+        if san is not None and san.backend.world == be.world:
+            uses = san.use_count(pool_id, device)
+    return uses
+
+
 def _settle(be: Backend) -> None:
     be.synchronize()
     be.empty_cache()
@@ -155,15 +167,22 @@ def run_cycle(
         seen.add((d, p))
     rec.bytes_before_release = _pool_bytes(be, pools)
     engine.release()
+    for d, p in pools:  # read before the engine is dropped: destruction would reset its graphs anyway
+        uses = _use_count(be, p, d)
+        if uses:
+            rec.problems.append(
+                f"release() left pool {p} with use_count {uses}: its graphs are reset only when the engine is "
+                "garbage-collected (a graph was not reset in release())"
+            )
     del engine, x
     if not hold_output:
         y = None
     _settle(be)
     for d, p in pools:
-        st = be.pool_state(p, d)
-        rec.bytes_after_release += st.reserved_bytes
-        if st.use_count:
-            rec.problems.append(f"pool {p} still has use_count {st.use_count} after release (a graph was not reset)")
+        rec.bytes_after_release += be.pool_state(p, d).reserved_bytes
+        uses = _use_count(be, p, d)
+        if uses:
+            rec.problems.append(f"pool {p} still has use_count {uses} after release (a graph was not reset)")
     if y is not None:
         rec.bytes_pinned_by_held_output = rec.bytes_after_release
         _held[world] = (y, pools)

@@ -385,6 +385,12 @@ class PoolSanitizer:
         return host_empty_cache
 
     # findings -----------------------------------------------------------------------------------------
+    def use_count(self, pool_id: PoolId, device: int = 0) -> int | None:
+        """The device use count the ledger saw (for builds whose allocator does not expose it)."""
+        with self._lock:
+            e = self._pools.get((device, tuple(pool_id)))
+            return None if e is None else e.device_count
+
     def ledger(self) -> list[dict[str, Any]]:
         with self._lock:
             out = []
