@@ -194,4 +194,5 @@ class LazyPool:
         return list(self._records)
 
     def __repr__(self) -> str:
-        return f"LazyPool(name={self.name!r}, mode={self.mode!r}, generation={self._generation}, pools={self._pools and {d: p for d, (p, _) in self._pools.items()}})"
+        pools = {d: p for d, (p, _) in self._pools.items()}
+        return f"LazyPool(name={self.name!r}, mode={self.mode!r}, generation={self._generation}, pools={pools})"

@@ -1,0 +1,80 @@
+"""Render a GPU check's results folder (scripts/gpu_check.sh) as markdown: conformance cuda vs sim side by
+side, benchmark figures against their targets, and the examples' lifecycle runs.
+
+    python scripts/render_gpu_results.py docs/gpu-results > docs/gpu-results/RESULTS.md
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from cudagraph_lifecycle.conformance import run_table
+
+
+def load(folder: str, name: str):
+    path = os.path.join(folder, name)
+    return json.load(open(path)) if os.path.exists(path) else None
+
+
+def main(folder: str) -> None:
+    print(open(os.path.join(folder, "summary.md")).read().strip())
+    conf = load(folder, "conformance-cuda.json")
+    if conf:
+        sim = {r["scenario"]: r["outcome"] for r in run_table("sim")}
+        rows = conf["rows"]
+        same = sum(sim[r["scenario"]] == r["outcome"] for r in rows)
+        print(f"\n## Conformance: cuda vs sim ({same}/{len(rows)} identical; "
+              f"{sum(r['match'] for r in rows)}/{len(rows)} cuda outcomes as expected)\n")
+        print("| scenario | cuda (H200) | sim (CPU) | same |\n|---|---|---|---|")
+        for r in rows:
+            s = sim[r["scenario"]]
+            print(f"| {r['scenario']} | {r['outcome']} | {s} | {'yes' if s == r['outcome'] else '**NO**'} |")
+    br = load(folder, "bench-runner.json")
+    if br:
+        st, mem, rel, san = br["step"], br["memory"], br["release"], br.get("sanitizer")
+        print("\n## Benchmarks (one run, side by side)\n")
+        print("| figure | measured | target |\n|---|---|---|")
+        print(f"| runner step / raw copy-in + replay (launch-bound, batch 1, fp16) | {st['runner_over_raw']:.3f} "
+              f"({st['runner_us']:.1f} vs {st['raw_copy_replay_us']:.1f} µs; eager {st['eager_us']:.1f} µs) | ≤ 1.05 |")
+        print(f"| 8 sizes in one pool / largest alone | {mem['shared_over_largest']:.3f} "
+              f"({mem['shared_largest_first_mib']:.0f} vs {mem['largest_alone_mib']:.0f} MiB) | ≤ 1.15 |")
+        print(f"| smallest-first / separate pools (MiB) | {mem['shared_smallest_first_mib']:.0f} / "
+              f"{mem['separate_pools_mib']:.0f} | more than largest-first |")
+        print(f"| reserved growth: one stream / a new stream per capture (MiB) | "
+              f"{mem['one_stream_reserved_growth_mib']:.0f} / {mem['new_stream_each_reserved_growth_mib']:.0f} | |")
+        print(f"| bytes left after release: runner / naive keeping one output | {rel['runner_bytes_after_release']} / "
+              f"{rel['naive_bytes_after_release']} | 0 |")
+        if san:
+            print(f"| sanitizer: capture time overhead | {san['capture_overhead'] * 100:+.1f}% "
+                  f"({san['capture_ms_sanitized']:.1f} vs {san['capture_ms']:.1f} ms) | ≤ 5% |")
+            print(f"| sanitizer: replay step ratio | {san['step_ratio']:.3f} | within noise |")
+    bw = load(folder, "bench-worker.json")
+    if bw:
+        print(f"| worker call / bare Pipe round trip | {bw['call']['ratio']:.2f} ({bw['call']['worker_call_us']:.0f} "
+              f"vs {bw['call']['bare_pipe_roundtrip_us']:.0f} µs) | ≤ 3 |")
+        print(f"| forked worker ready / bare fork + first result | {bw['start']['ratio']:.2f} "
+              f"({bw['start']['worker_ready_ms']:.1f} vs {bw['start']['bare_fork_first_result_ms']:.1f} ms) | ≤ 1.5 |")
+        pe = bw["per_engine"]
+        print(f"| per engine: fresh process / reused worker | {pe['ratio']:.0f}× ({pe['fresh_process_s']:.2f} vs "
+              f"{pe['reused_worker_s']:.3f} s) | ≥ 20× |")
+    bm = load(folder, "bench-mpi.json")
+    if bm:
+        pe = bm["per_engine"]
+        print(f"| per engine: fresh mpirun / reused rank (2 ranks) | {pe['ratio']:.0f}× ({pe['fresh_mpirun_s']:.2f} vs "
+              f"{pe['reused_rank_s']:.3f} s) | |")
+    for name in ("examples-fork.json", "examples-spawn.json", "examples-mpi.json"):
+        ex = load(folder, name)
+        if ex:
+            t = ex["totals"]
+            outcomes = {}
+            for test in ex["tests"]:
+                outcomes[test["outcome"]] = outcomes.get(test["outcome"], 0) + 1
+            print(f"\n{name}: start method {ex['meta']['start_method']}, backend {ex['meta']['effective_backend']}, "
+                  f"exit {ex['meta']['exitstatus']}; tests {outcomes}; cycles {t['cycles']}, fresh {t['fresh']}, "
+                  f"not fresh {t['not_fresh']}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
