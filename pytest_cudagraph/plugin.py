@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import sys
+import tempfile
 import time
 
 import pytest
@@ -145,8 +148,26 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_runtest_makereport(item: pytest.Item, call):
     outcome = yield
     rep = outcome.get_result()
+    if rep.failed and item.get_closest_marker("cudagraph") is not None:
+        _snapshot_in_process(item, rep)
     state = item.config.stash[STATE_KEY]
     _record(state, rep)
+
+
+def _snapshot_in_process(item: pytest.Item, rep: pytest.TestReport) -> None:
+    """A failing cudagraph test that used CUDA in this process: dump the allocator's memory snapshot."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return
+    from cudagraph_lifecycle.cycle import dump_memory_snapshot
+
+    report = item.config.stash[SETTINGS_KEY].get("report")
+    folder = os.path.join(os.path.dirname(report), "cudagraph-snapshots") if report else tempfile.gettempdir()
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", item.nodeid)[-120:]
+    path = dump_memory_snapshot(os.path.join(folder, f"{name}-{rep.when}.pickle"))
+    if path:
+        rep.user_properties.append(("cudagraph_snapshot", path))
+        rep.sections.append(("cudagraph", f"memory snapshot (open it in PyTorch's memory visualizer): {path}"))
 
 
 def _record(state: dict, rep: pytest.TestReport) -> None:

@@ -40,3 +40,23 @@ def test_sanitizer_catches_the_seed_bug_and_the_process_goes_on(cudagraph_worker
 def test_sanitizer_no_false_positives_on_correct_code(cudagraph_worker):
     r = cudagraph_worker.call(gpu_cases.sanitizer_no_false_positives)
     assert r["stale_caught"] == 0, r
+
+
+def test_failing_cudagraph_test_dumps_a_memory_snapshot(pytester):
+    import json
+
+    pytester.makepyfile(test_a='''
+        import pytest, torch
+        @pytest.mark.cudagraph
+        def test_fails_on_gpu():
+            g = torch.cuda.CUDAGraph()
+            x = torch.randn(8, device="cuda")
+            with torch.cuda.graph(g):
+                y = x * 2
+            assert False, "planted failure"
+    ''')
+    report = pytester.path / "r.json"
+    res = pytester.runpytest_subprocess("-p", "cudagraph", f"--cudagraph-report={report}")
+    res.assert_outcomes(failed=1)
+    (t,) = json.loads(report.read_text())["tests"]
+    assert t["memory_snapshot"].endswith(".pickle") and (pytester.path / t["memory_snapshot"]).exists()
