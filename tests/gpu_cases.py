@@ -4,6 +4,14 @@
 import torch
 
 from cudagraph_lifecycle import CUDAGraphRunner, LazyPool, get_backend
+from cudagraph_lifecycle.sanitizer import global_sanitizer
+
+
+def _without_worker_sanitizer():
+    # These cases show the allocator's own behaviour, or run a sanitizer of their own.
+    san = global_sanitizer()
+    if san is not None:
+        san.stop()
 
 
 def runner_replay_and_release():
@@ -62,6 +70,7 @@ def naive_two_engines():
 
     from cudagraph_lifecycle.cycle import run_cycle
 
+    _without_worker_sanitizer()
     first = run_cycle(make_naive_engine, "cuda", 0).fresh
     try:
         run_cycle(make_naive_engine, "cuda", 1)
@@ -79,6 +88,7 @@ def sanitizer_catches_naive_engine():
     from cudagraph_lifecycle import PoolSanitizer, StalePoolError
     from cudagraph_lifecycle.cycle import run_cycle
 
+    _without_worker_sanitizer()
     be = get_backend("cuda")
     with PoolSanitizer(be):
         first = run_cycle(make_naive_engine, "cuda", 0).fresh
@@ -101,6 +111,7 @@ def sanitizer_catches_naive_engine():
 def sanitizer_no_false_positives():
     from cudagraph_lifecycle import PoolSanitizer
 
+    _without_worker_sanitizer()
     be = get_backend("cuda")
     results = {}
     with PoolSanitizer(be) as san:

@@ -39,6 +39,8 @@ def classify(e: BaseException) -> str:
         return "capture-invalidated"
     if "non-default stream" in msg:
         return "default-stream"
+    if "pool() without a preceding successful capture" in msg:
+        return "pool-without-capture"
     if "without a preceding successful capture" in msg:
         return "replay-without-capture"
     return f"error:{type(e).__name__}"
@@ -181,6 +183,17 @@ def s_poisoned_capture_with_random(c: Ctx) -> str:
     x = c.be.empty(N)
     fn = lambda: torch.randn_like(x)  # noqa: E731
     return f"{first} then {attempt(lambda: c.capture(c.be.new_graph(), c.be.graph_pool_handle(), fn))}"
+
+
+def s_pool_id_before_capture_end(c: Ctx) -> str:
+    g = c.be.new_graph()
+    x = c.tensor()
+    with c.be.stream(c.stream):
+        g.capture_begin(pool=c.be.graph_pool_handle())
+        y = x * 2  # noqa: F841
+        result = attempt(g.pool)
+        g.capture_end()
+    return result
 
 
 def s_poisoned_new_handle_capture(c: Ctx) -> str:
@@ -572,7 +585,8 @@ SCENARIOS: list[Scenario] = [
     Scenario("poisoned_randn", s_poisoned_randn, "assert then poisoned"),
     Scenario("poisoned_plain_alloc", s_poisoned_plain_alloc, "assert then ok"),
     Scenario("poisoned_new_handle_capture", s_poisoned_new_handle_capture, "assert then ok"),
-    Scenario("poisoned_capture_with_random", s_poisoned_capture_with_random, "assert then poisoned"),
+    Scenario("poisoned_capture_with_random", s_poisoned_capture_with_random, "assert then ok"),
+    Scenario("pool_id_before_capture_end", s_pool_id_before_capture_end, "pool-without-capture"),
     Scenario("handles_count_up", s_handles_count_up, "up"),
     Scenario("handle_without_capture_creates_nothing", s_handle_without_capture_creates_nothing, "segments=0"),
     Scenario("capture_without_pool_mints_graph_id", s_capture_without_pool_mints_graph_id, "graph-id"),

@@ -36,6 +36,7 @@ def process_backend(name: str) -> Backend:
         _held.clear()
     if name not in _backends:
         be = get_backend(name)
+        be.prewarm(0)  # workspaces are per process: create them before any baseline
         _backends[name] = be
         _backends[be.name] = be
     return _backends[name]

@@ -66,7 +66,7 @@ class PoolEntry:
 @dataclass
 class GraphEntry:
     gid: int
-    pool_id: PoolId
+    pool_id: PoolId | None  # None until capture_end for a capture without a pool argument
     device: int
     captured_at: str
     captured: bool = False  # capture_end succeeded: reset() gives the references back
@@ -100,6 +100,7 @@ class _Target:
             self.mempool_cls = getattr(torch.cuda, "MemPool", None)
             self.empty_owner, self.empty_name = torch.cuda, "empty_cache"
             self.host_owner, self.host_name = torch._C, "_host_emptyCache"
+            self.release_owner, self.release_name = torch._C, "_cuda_releasePool"
         else:
             from .backends import sim
 
@@ -108,6 +109,7 @@ class _Target:
             self.mempool_cls = sim.SimMemPool
             self.empty_owner, self.empty_name = sim.SimBackend, "empty_cache"
             self.host_owner, self.host_name = sim.SimBackend, "host_empty_cache"
+            self.release_owner, self.release_name = sim.SimBackend, "release_pool_reference"
 
     def owns(self, obj: Any) -> bool:
         """Sim classes are shared by every SimBackend: watch only this backend's objects."""
@@ -179,6 +181,8 @@ class PoolSanitizer:
         self._patch(t.empty_owner, t.empty_name, self._wrap_empty_cache)
         if hasattr(t.host_owner, t.host_name):
             self._patch(t.host_owner, t.host_name, self._wrap_host_empty_cache)
+        if hasattr(t.release_owner, t.release_name):
+            self._patch(t.release_owner, t.release_name, self._wrap_release_pool)
         self.active = True
         return self
 
@@ -266,24 +270,17 @@ class PoolSanitizer:
             if not san._t.owns(graph):
                 return original(graph, *args, **kwargs)
             pool = kwargs.get("pool", args[0] if args else None)
+            pool = None if pool is None or tuple(pool) == (0, 0) else tuple(pool)
             device = san._t.device_of_capture()
-            if pool is not None and tuple(pool) != (0, 0):
+            if pool is not None:
                 with san._lock:
-                    san._check_stale(tuple(pool), device)
+                    san._check_stale(pool, device)
             original(graph, *args, **kwargs)
-            pid = tuple(graph.pool())
             with san._lock:
-                e = san._entry(pid, device)
-                if not e.device_alive:
-                    e.device_alive = True
-                if not e.host_alive:
-                    e.host_alive = True
-                e.device_count += 1
-                e.host_count += 1
-                e.captures += 1
                 gid = next(san._gids)
-                san._graphs[gid] = GraphEntry(gid, pid, device, _stack(2))
-                e.graphs.append(gid)
+                g = san._graphs[gid] = GraphEntry(gid, pool, device, _stack(2))
+                if pool is not None:  # the capture holds its references from now on, even if it fails
+                    san._hold(g)
                 old = san._gid_of.get(graph)
                 if old is not None:
                     san._graphs[old].alive = False
@@ -291,6 +288,14 @@ class PoolSanitizer:
                 weakref.finalize(graph, san._graph_gone, gid)
 
         return capture_begin
+
+    def _hold(self, g: GraphEntry) -> None:
+        e = self._entry(g.pool_id, g.device)
+        e.device_alive = e.host_alive = True
+        e.device_count += 1
+        e.host_count += 1
+        e.captures += 1
+        e.graphs.append(g.gid)
 
     def _wrap_end(self, original):
         san = self
@@ -301,7 +306,11 @@ class PoolSanitizer:
             gid = san._gid_of.get(graph) if san._t.owns(graph) else None
             if gid is not None:
                 with san._lock:
-                    san._graphs[gid].captured = True
+                    g = san._graphs[gid]
+                    if g.pool_id is None:  # a graph-minted pool: its id is readable only now
+                        g.pool_id = tuple(graph.pool())
+                        san._hold(g)
+                    g.captured = True
 
         return capture_end
 
@@ -367,6 +376,27 @@ class PoolSanitizer:
             return out
 
         return empty_cache
+
+    def _wrap_release_pool(self, original):
+        san = self
+
+        @functools.wraps(original)
+        def release_pool(*args, **kwargs):
+            out = original(*args, **kwargs)
+            if san.backend.name == "cuda":
+                device, pid = args[0], tuple(args[1])
+            elif args and args[0] is san.backend:
+                pid, device = tuple(args[1]), (args[2] if len(args) > 2 else kwargs.get("device", 0))
+            else:
+                return out
+            with san._lock:  # a reference given back by hand (a failed capture's, see CUDAGraphRunner)
+                e = san._entry(pid, device)
+                e.device_count -= 1
+                if e.device_count == 0:
+                    e.released_at = _stack(2)
+            return out
+
+        return release_pool
 
     def _wrap_host_empty_cache(self, original):
         san = self

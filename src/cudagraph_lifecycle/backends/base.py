@@ -98,6 +98,12 @@ class Backend(ABC):
     @abstractmethod
     def stream(self, stream: Any) -> contextlib.AbstractContextManager: ...
 
+    def prewarm(self, device: int = 0) -> None:
+        """Create the per-stream library workspaces (cuBLAS, cuBLASLt) of the default and capture streams
+        now, so a reserved-memory baseline taken afterwards does not count them against the first engine.
+        The simulated allocator has no library workspaces: nothing to do there."""
+        return None
+
     def capture_stream(self, device: int = 0) -> Any:
         """One capture stream per device for the whole process: every new stream gets its own library
         workspaces (cuBLAS), so a stream per engine grows reserved memory engine after engine."""

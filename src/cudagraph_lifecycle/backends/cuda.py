@@ -37,6 +37,16 @@ class CudaBackend(Backend):
     def current_device(self) -> int:
         return torch.cuda.current_device()
 
+    def prewarm(self, device: int = 0) -> None:
+        dev = self.torch_device(device)
+        for stream in (torch.cuda.current_stream(dev), self.capture_stream(device)):
+            with torch.cuda.stream(stream), torch.no_grad():
+                for dtype in (torch.float32, torch.float16, torch.bfloat16):
+                    a = torch.ones(64, 64, device=dev, dtype=dtype)
+                    torch.mm(a, a)
+                    torch.addmm(a[0], a, a)  # the bias epilogue goes through cuBLASLt
+        torch.cuda.synchronize(dev)
+
     # pools
     def graph_pool_handle(self) -> PoolId:
         return tuple(torch.cuda.graph_pool_handle())
