@@ -115,13 +115,19 @@ def sanitizer_no_false_positives():
     be = get_backend("cuda")
     results = {}
     with PoolSanitizer(be) as san:
-        # hand-written captures sharing one pool
+        # hand-written captures sharing one pool, on a capture stream whose cuBLAS workspace exists before
+        # the capture (else the workspace is allocated inside the first capture and pins the pool for good:
+        # then reusing the id is NOT legal, and the sanitizer rightly refuses it)
         h = torch.cuda.graph_pool_handle()
         x = torch.randn(64, 64, device="cuda")
+        s = torch.cuda.Stream()
+        with torch.cuda.stream(s):
+            x @ x
+        torch.cuda.synchronize()
         gs = []
         for _ in range(3):
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=h):
+            with torch.cuda.graph(g, pool=h, stream=s):
                 y = x @ x
             gs.append((g, y))
         for g, _ in gs:
@@ -129,14 +135,14 @@ def sanitizer_no_false_positives():
         del gs, g, y
         # legal reuse of an id after its outputs were freed (torch.cuda.graph empties both caches)
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=h):
+        with torch.cuda.graph(g, pool=h, stream=s):
             y = x + 1
         del g, y
         # MemPool reuse through torch.cuda.graph
         mp = torch.cuda.MemPool()
         for _ in range(2):
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=mp.id):
+            with torch.cuda.graph(g, pool=mp.id, stream=s):
                 y = x * 3
             g.replay()
         del g, y, mp
@@ -157,3 +163,19 @@ def sanitizer_no_false_positives():
             results["compile"] = f"skipped: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
         results["stale_caught"] = san.stale_caught
     return results
+
+
+def cublas_workspace_in_capture_pins_the_pool():
+    """A matmul's first use of a fresh stream inside a capture: where does the cuBLAS workspace go?"""
+    _without_worker_sanitizer()
+    be = get_backend("cuda")
+    h = torch.cuda.graph_pool_handle()
+    x = torch.randn(64, 64, device="cuda")
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, pool=h, stream=torch.cuda.Stream()):
+        y = x @ x
+    g.reset()
+    del g, y
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return be.pool_state(h).reserved_bytes

@@ -60,3 +60,9 @@ def test_failing_cudagraph_test_dumps_a_memory_snapshot(pytester):
     res.assert_outcomes(failed=1)
     (t,) = json.loads(report.read_text())["tests"]
     assert t["memory_snapshot"].endswith(".pickle") and (pytester.path / t["memory_snapshot"]).exists()
+
+
+def test_cublas_workspace_allocated_in_capture_pins_the_pool(cudagraph_worker):
+    # measured fact the runner relies on: warm up on the capture stream, or the workspace lands in the pool
+    pinned = cudagraph_worker.call(gpu_cases.cublas_workspace_in_capture_pins_the_pool)
+    assert pinned > 0

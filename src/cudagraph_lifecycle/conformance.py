@@ -10,6 +10,7 @@ allocator's assert poisons the process); on ``sim`` each gets a fresh :class:`Si
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -498,6 +499,17 @@ def s_host_sync_in_capture(c: Ctx) -> str:
     return f"{first} then {after}, use_count={mp.use_count()}"
 
 
+def s_failed_capture_destructor_gives_back(c: Ctx) -> str:
+    mp = c.be.mempool(0)
+    g = c.be.new_graph()
+    x = c.tensor()
+    attempt(functools.partial(c.capture, g, mp.id, lambda: (x * 2).sum().item()))
+    g.reset()
+    after_reset = mp.use_count()
+    del g
+    return f"after reset {after_reset}, after del {mp.use_count()}"
+
+
 def s_autograd_clone_pins_pool(c: Ctx) -> str:
     h = c.be.graph_pool_handle()
     w = c.be.randn(N).requires_grad_()
@@ -616,6 +628,8 @@ SCENARIOS: list[Scenario] = [
     Scenario("shared_pool_largest_first_smaller", s_shared_pool_largest_first_smaller, "largest-first<=smallest-first: True"),
     Scenario("separate_pools_not_smaller", s_separate_pools_not_smaller, "shared=2MiB separate=8MiB"),
     Scenario("host_sync_in_capture", s_host_sync_in_capture, "capture-invalidated then poisoned, use_count=2"),
+    Scenario("failed_capture_destructor_gives_back", s_failed_capture_destructor_gives_back,
+             "after reset 2, after del 1"),
     Scenario("autograd_clone_pins_pool", s_autograd_clone_pins_pool, "2MiB->0MiB"),
     Scenario("no_grad_clone_does_not_pin", s_no_grad_clone_does_not_pin, "0MiB"),
     Scenario("runner_release_clean", s_runner_release_clean, "equal=True clean=True"),

@@ -134,6 +134,7 @@ def run_cycle(
     rec = CycleRecord(index=index, pid=os.getpid(), backend=be.name)
     dev = 0
     rec.reserved_baseline = be.memory_reserved(dev) - _pool_bytes(be, prev_pools)
+    baseline_segments = {sg["address"] for sg in be.segments(dev)}
     engine = factory(be)
     for name in ("capture", "run", "release"):
         if not callable(getattr(engine, name, None)):
@@ -204,8 +205,13 @@ def run_cycle(
             rec.problems += [f"sanitizer {f.kind}: {f.message}" for f in found]
     rec.reserved_after = be.memory_reserved(dev) - rec.bytes_pinned_by_held_output
     if rec.reserved_after > rec.reserved_baseline:
+        mine = {p for _, p in pools}
+        grown = [sg for sg in be.segments(dev) if sg["address"] not in baseline_segments and sg["pool_id"] not in mine]
+        detail = ", ".join(f"{sg['size']} bytes ({sg['allocated']} in use) in pool {sg['pool_id']} on stream "
+                           f"{sg['stream']}" for sg in grown[:4])
         rec.problems.append(
             f"reserved memory {rec.reserved_after} bytes is above the pre-engine baseline {rec.reserved_baseline}"
+            + (f"; new segments: {detail}" if detail else "")
         )
     if not pools:
         rec.problems.append("the engine exposes no pool (give it a `runner` or a `pool_ids()` method)")

@@ -240,10 +240,12 @@ class CUDAGraphRunner:
                         err = err or e
                 self._stats.capture_ms += (time.perf_counter() - t0) * 1e3
         if err is not None:
-            graph.reset()
             # torch 2.11: a capture that failed at capture_end keeps its pool reference through reset()
-            # (measured: MemPool use_count 2 after reset). Give it back, where the count can be read,
-            # so release() can still free the pool.
+            # (measured: MemPool use_count 2 after reset), and a reference given back by hand while the
+            # graph object lives is given back again by its destructor (measured: SIGABRT). So drop the
+            # graph first, then give back by hand only what is still held.
+            graph.reset()
+            del graph
             uses_after = self.pool.use_count(self.device)
             if uses_before is not None and uses_after is not None and uses_after > uses_before:
                 be.release_pool_reference(pool_id, self.device)

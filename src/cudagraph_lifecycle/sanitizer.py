@@ -39,24 +39,42 @@ from .errors import ConfigError, StalePoolError
 SANITIZE_MODES = ("off", "on", "strict")
 
 
-def _stack(skip: int = 2, limit: int = 12) -> str:
-    frames = traceback.extract_stack()[:-skip]
-    keep = [f for f in frames if "cudagraph_lifecycle/sanitizer" not in f.filename][-limit:]
-    return "".join(traceback.format_list(keep))
+class _Stack:
+    """A call stack taken cheaply (no source lines read, no frames kept alive), formatted when shown."""
+
+    __slots__ = ("_summary", "_text")
+
+    def __init__(self, limit: int = 24):
+        frames = traceback.walk_stack(sys._getframe(2))
+        self._summary = traceback.StackSummary.extract(frames, limit=limit, lookup_lines=False)
+        self._text: str | None = None
+
+    def __str__(self) -> str:
+        if self._text is None:
+            keep = [f for f in reversed(self._summary) if "cudagraph_lifecycle/sanitizer" not in f.filename][-12:]
+            self._text = "".join(traceback.format_list(keep))
+        return self._text
+
+    def __contains__(self, item: str) -> bool:
+        return item in str(self)
+
+
+def _stack(skip: int = 2) -> _Stack:
+    return _Stack()
 
 
 @dataclass
 class PoolEntry:
     pool_id: PoolId
     device: int
-    minted_at: str | None = None
+    minted_at: _Stack | str | None = None
     device_count: int = 0
     host_count: int = 0
     device_alive: bool = False  # the device allocator has books for it
     host_alive: bool = False  # the host allocator's ledger has the id
     captures: int = 0
     graphs: list[int] = field(default_factory=list)
-    released_at: str | None = None
+    released_at: _Stack | str | None = None
 
     @property
     def dead(self) -> bool:
@@ -68,7 +86,7 @@ class GraphEntry:
     gid: int
     pool_id: PoolId | None  # None until capture_end for a capture without a pool argument
     device: int
-    captured_at: str
+    captured_at: _Stack
     captured: bool = False  # capture_end succeeded: reset() gives the references back
     alive: bool = True
 
@@ -145,7 +163,7 @@ class PoolSanitizer:
         self._t = _Target(self.backend)
         self._lock = threading.RLock()
         self._pools: dict[tuple[int, PoolId], PoolEntry] = {}
-        self._minted: dict[PoolId, str] = {}
+        self._minted: dict[PoolId, _Stack] = {}
         self._graphs: dict[int, GraphEntry] = {}
         self._gids = itertools.count(1)
         self._gid_of: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -428,7 +446,8 @@ class PoolSanitizer:
                 st = self.backend.pool_state(e.pool_id, e.device)
                 out.append({"pool_id": list(e.pool_id), "device": e.device, "use_count": e.device_count,
                             "host_use_count": e.host_count, "captures": e.captures, "bytes": st.reserved_bytes,
-                            "dead": e.dead, "minted_at": e.minted_at, "released_at": e.released_at})
+                            "dead": e.dead, "minted_at": e.minted_at and str(e.minted_at),
+                            "released_at": e.released_at and str(e.released_at)})
             return out
 
     def _pinning_stacks(self, e: PoolEntry) -> tuple[str, ...]:
@@ -455,7 +474,7 @@ class PoolSanitizer:
             for g in self._graphs.values():
                 if g.alive and g.captured:
                     out.append(Finding("unreleased_graph", g.pool_id, g.device, 0,
-                                       f"a graph captured into pool {g.pool_id} was never reset", (g.captured_at,)))
+                                       f"a graph captured into pool {g.pool_id} was never reset", (str(g.captured_at),)))
             for e in self._pools.values():
                 st = self.backend.pool_state(e.pool_id, e.device)
                 live_graphs = any(self._graphs[i].alive and self._graphs[i].captured for i in e.graphs)
@@ -469,7 +488,7 @@ class PoolSanitizer:
                     out.append(Finding(
                         "pool_never_retired", e.pool_id, e.device, st.reserved_bytes,
                         f"pool {e.pool_id} has no live graph but {e.device_count} reference(s): a MemPool still "
-                        "alive, or a failed capture that kept its reference", (e.minted_at or "",)))
+                        "alive, or a failed capture that kept its reference", (str(e.minted_at or ""),)))
         return out
 
     def check(self) -> list[Finding]:

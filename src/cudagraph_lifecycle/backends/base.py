@@ -140,6 +140,10 @@ class Backend(ABC):
         """Ids of the private pools that hold at least one segment on ``device``."""
 
     @abstractmethod
+    def segments(self, device: int = 0) -> list[dict[str, Any]]:
+        """Every segment on ``device``: address, size, pool id and stream (for diagnostics)."""
+
+    @abstractmethod
     def memory_reserved(self, device: int = 0) -> int: ...
 
     @abstractmethod

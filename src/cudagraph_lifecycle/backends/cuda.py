@@ -105,6 +105,11 @@ class CudaBackend(Backend):
         exists = bool(segs) or bool(use_count)
         return PoolState(pool_id, device, exists, use_count, reserved, allocated, len(segs))
 
+    def segments(self, device: int = 0) -> list[dict[str, Any]]:
+        return [{"address": s["address"], "size": s["total_size"], "allocated": s["allocated_size"],
+                 "pool_id": tuple(s.get("segment_pool_id", (0, 0))), "stream": s.get("stream")}
+                for s in self._segments(device)]
+
     def pool_ids(self, device: int = 0) -> list[PoolId]:
         ids = {tuple(s.get("segment_pool_id", (0, 0))) for s in self._segments(device)}
         ids.discard((0, 0))

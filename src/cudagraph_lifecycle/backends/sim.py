@@ -15,7 +15,7 @@ The rules (c10/cuda/CUDACachingAllocator.cpp; DESIGN.md §1), nothing looser:
 * after such an assert the CUDA RNG is poisoned for eager use (``torch.randn`` fails; other allocations,
   captures, and random ops inside a new capture work: measured on the H200);
 * a capture invalidated by a host sync (``.item()``) raises at ``capture_end``; ``reset()`` then gives back
-  neither pool reference, and the RNG is poisoned.
+  neither pool reference (the graph's destructor does), and the RNG is poisoned.
 
 What a capture allocated is observed, not assumed: a ``TorchDispatchMode`` active during the capture sees
 every tensor the forward creates; a storage born inside the capture is a block of the pool, and a weak
@@ -255,6 +255,7 @@ class SimGraph:
         self._replayable = False
         self._invalidated = False
         self._ever_captured = False
+        self._holds_refs = False
 
     # capture
     def capture_begin(self, pool: PoolId | None = None, capture_error_mode: str = "global") -> None:
@@ -271,6 +272,7 @@ class SimGraph:
         be._incref_pool(pool_id, device, create=True)  # may assert and poison
         be._incref_host_pool(pool_id)  # after the device incref: a host assert leaks that reference
         self._pool, self._device = pool_id, device
+        self._holds_refs = True
         self._invalidated = False
         self._ops = []
         be._capturing = self
@@ -315,6 +317,11 @@ class SimGraph:
             self._captured = False
             self._replayable = False
             self._ops = []
+            self._give_back()
+
+    def _give_back(self) -> None:
+        if self._holds_refs:
+            self._holds_refs = False
             self._backend._decref_pool(self._pool, self._device)
             self._backend._decref_host_pool(self._pool)
 
@@ -323,9 +330,10 @@ class SimGraph:
             raise RuntimeError(POOL_MESSAGE)
         return self._pool
 
-    def __del__(self) -> None:  # ~CUDAGraph resets
+    def __del__(self) -> None:  # ~CUDAGraph resets, and gives back a failed capture's references too
         with contextlib.suppress(Exception):
             self.reset()
+            self._give_back()
 
 
 def _copy_into_storage(weak: StorageWeakRef, meta: tuple, value: torch.Tensor) -> None:
@@ -535,6 +543,12 @@ class SimBackend(Backend):
     def pool_ids(self, device: int = 0) -> list[PoolId]:
         with self._lock:
             return sorted(p.pool_id for (d, _), p in self._pools.items() if d == device and p.segments)
+
+    def segments(self, device: int = 0) -> list[dict[str, Any]]:
+        with self._lock:
+            self._collect()
+            return [{"address": id(seg), "size": seg.size, "allocated": seg.allocated(), "pool_id": p.pool_id,
+                     "stream": 0} for (d, _), p in self._pools.items() if d == device for seg in p.segments]
 
     def memory_reserved(self, device: int = 0) -> int:
         with self._lock:
