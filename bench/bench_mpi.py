@@ -33,7 +33,8 @@ def reused_s(backend, ranks, engines):
 def fresh_mpirun_s(backend, ranks, engines):
     mpirun = shutil.which("mpirun") or shutil.which("mpiexec")
     code = f"from bench.bench_worker import engine_cycle; assert engine_cycle({backend!r})"
-    env = {**os.environ, **MPI_ENV, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "examples")])}
+    paths = [ROOT, os.path.join(ROOT, "examples"), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, **MPI_ENV, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
     t0 = time.perf_counter()
     for _ in range(engines):
         subprocess.run([mpirun, "-n", str(ranks), sys.executable, "-c", code], check=True, cwd=ROOT, env=env)

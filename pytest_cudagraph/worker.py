@@ -11,6 +11,7 @@ import atexit
 import faulthandler
 import multiprocessing as mp
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -24,6 +25,8 @@ import cloudpickle
 
 START_METHODS = ("auto", "fork", "spawn", "forkserver")
 _POISON_MARKERS = ("INTERNAL ASSERT FAILED", "Offset increment outside graph capture")
+_CAUSE = re.compile(r"terminate called|terminating due to|what\(\)|Fatal Python error|INTERNAL ASSERT|"
+                    r"Error:|Exception|Segmentation fault|Aborted|died during the call")
 
 
 class WorkerError(Exception):
@@ -240,6 +243,14 @@ class ReusedWorker:
                 proc.kill()
         proc.join(5)
 
+    def key_lines(self, limit: int = 8) -> list[str]:
+        """The lines of the worker's whole stderr that name a cause (a tail can miss them under a long stack)."""
+        if not self._stderr_path or not os.path.exists(self._stderr_path):
+            return []
+        with open(self._stderr_path, errors="replace") as f:
+            hits = [ln.rstrip() for ln in f if _CAUSE.search(ln)]
+        return hits[-limit:]
+
     def _crash_report(self, proc_exitcode: int | None, during: str) -> WorkerCrashed:
         tail = self.stderr_tail()
         if proc_exitcode is not None and proc_exitcode < 0:
@@ -253,6 +264,9 @@ class ReusedWorker:
         msg = f"worker {self.name} (pid {self.pid}) {cause} during {during}"
         if assert_lines:
             msg += f"\nallocator: {assert_lines[-1].strip()}"
+        causes = [ln for ln in self.key_lines() if ln not in tail]
+        if causes:
+            msg += "\n--- cause lines from the worker's stderr ---\n" + "\n".join(causes)
         if tail.strip():
             msg += f"\n--- last lines of the worker's stderr ---\n{tail.rstrip()}"
         return WorkerCrashed(msg, proc_exitcode, tail)

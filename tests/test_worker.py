@@ -168,3 +168,21 @@ def test_timeout_report_has_the_hung_stack():
     with ReusedWorker(start_method="fork", timeout=1) as w:
         with pytest.raises(WorkerTimeout, match="in sleep"):
             w.call(sleep, 30)
+
+
+def abort_after_long_stack():
+    import sys
+
+    print("terminate called after throwing an instance of 'c10::Error'", file=sys.stderr)
+    print("  what():  captures_underway.empty() INTERNAL ASSERT FAILED", file=sys.stderr)
+    for i in range(60):
+        print(f"  frame {i}", file=sys.stderr)
+    sys.stderr.flush()
+    os.abort()
+
+
+def test_crash_report_keeps_the_cause_above_a_long_stack(worker):
+    with pytest.raises(WorkerCrashed) as e:
+        worker.call(abort_after_long_stack)
+    msg = str(e.value)
+    assert "cause lines" in msg and "what():  captures_underway.empty() INTERNAL ASSERT FAILED" in msg

@@ -40,6 +40,8 @@ def classify(e: BaseException) -> str:
         return "capture-invalidated"
     if "non-default stream" in msg:
         return "default-stream"
+    if "captures_underway" in msg:
+        return "captures-underway"
     if "pool() without a preceding successful capture" in msg:
         return "pool-without-capture"
     if "without a preceding successful capture" in msg:
@@ -510,6 +512,17 @@ def s_failed_capture_destructor_gives_back(c: Ctx) -> str:
     return f"after reset {after_reset}, after del {mp.use_count()}"
 
 
+def s_failed_capture_leaves_routing_on(c: Ctx) -> str:
+    h = c.be.graph_pool_handle()
+    g = c.be.new_graph()
+    x = c.tensor()
+    attempt(functools.partial(c.capture, g, h, lambda: (x * 2).sum().item()))
+    g.reset()
+    first = attempt(c.be.empty_cache)
+    c.be.end_capture_routing(h, 0)
+    return f"empty_cache: {first}, after ending routing: {attempt(c.be.empty_cache)}"
+
+
 def s_autograd_clone_pins_pool(c: Ctx) -> str:
     h = c.be.graph_pool_handle()
     w = c.be.randn(N).requires_grad_()
@@ -629,7 +642,9 @@ SCENARIOS: list[Scenario] = [
     Scenario("separate_pools_not_smaller", s_separate_pools_not_smaller, "shared=2MiB separate=8MiB"),
     Scenario("host_sync_in_capture", s_host_sync_in_capture, "capture-invalidated then poisoned, use_count=2"),
     Scenario("failed_capture_destructor_gives_back", s_failed_capture_destructor_gives_back,
-             "after reset 2, after del 1"),
+             "after reset 2, after del 2"),
+    Scenario("failed_capture_leaves_routing_on", s_failed_capture_leaves_routing_on,
+             "empty_cache: captures-underway, after ending routing: ok"),
     Scenario("autograd_clone_pins_pool", s_autograd_clone_pins_pool, "2MiB->0MiB"),
     Scenario("no_grad_clone_does_not_pin", s_no_grad_clone_does_not_pin, "0MiB"),
     Scenario("runner_release_clean", s_runner_release_clean, "equal=True clean=True"),

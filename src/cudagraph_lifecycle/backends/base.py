@@ -127,6 +127,13 @@ class Backend(ABC):
     def host_empty_cache(self) -> None:
         """``torch._C._host_emptyCache``: erases the host allocator's graph pools at use_count 0."""
 
+    def end_capture_routing(self, pool_id: PoolId, device: int = 0) -> bool:
+        """After a capture that failed at ``capture_end``: stop routing allocations to the pool if the
+        allocator still does (torch 2.11 leaves it on when ``cudaStreamEndCapture`` fails: PyTorch #180395;
+        a later ``empty_cache`` or MemPool destruction then asserts ``captures_underway.empty()``, and in a
+        destructor that aborts the process). True if routing was still on."""
+        return False
+
     @abstractmethod
     def release_pool_reference(self, pool_id: PoolId, device: int = 0) -> None:
         """Give back one device reference to a pool (``torch._C._cuda_releasePool``)."""

@@ -84,6 +84,16 @@ class CudaBackend(Backend):
         if fn is not None:
             fn()
 
+    def end_capture_routing(self, pool_id: PoolId, device: int = 0) -> bool:
+        fn = getattr(torch._C, "_cuda_endAllocateToPool", None)
+        if fn is None:
+            return False
+        try:
+            fn(device, tuple(pool_id))
+        except RuntimeError:  # "not currently recording to mempool_id": this torch already ended it
+            return False
+        return True
+
     def release_pool_reference(self, pool_id: PoolId, device: int = 0) -> None:
         torch._C._cuda_releasePool(device, tuple(pool_id))
 

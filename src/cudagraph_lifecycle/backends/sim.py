@@ -15,7 +15,8 @@ The rules (c10/cuda/CUDACachingAllocator.cpp; DESIGN.md §1), nothing looser:
 * after such an assert the CUDA RNG is poisoned for eager use (``torch.randn`` fails; other allocations,
   captures, and random ops inside a new capture work: measured on the H200);
 * a capture invalidated by a host sync (``.item()``) raises at ``capture_end``; ``reset()`` then gives back
-  neither pool reference (the graph's destructor does), and the RNG is poisoned.
+  neither pool reference (nor does its destructor: measured), the RNG is poisoned, and the allocator keeps
+  routing to the pool (PyTorch #180395): ``empty_cache`` then asserts ``captures_underway.empty()``.
 
 What a capture allocated is observed, not assumed: a ``TorchDispatchMode`` active during the capture sees
 every tensor the forward creates; a storage born inside the capture is a block of the pool, and a weak
@@ -69,6 +70,10 @@ DEFAULT_STREAM_MESSAGE = (
 )
 REPLAY_MESSAGE = "Called CUDAGraph::replay without a preceding successful capture."
 POOL_MESSAGE = "Called CUDAGraph::pool() without a preceding successful capture."
+UNDERWAY_MESSAGE = (
+    'captures_underway.empty() INTERNAL ASSERT FAILED at "c10/cuda/CUDACachingAllocator.cpp" (simulated by '
+    "cudagraph_lifecycle.sim), please report a bug to PyTorch."
+)
 
 # Ops that need the host to wait for the device: illegal while a stream is capturing.
 _HOST_SYNC_OPS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default}
@@ -288,9 +293,11 @@ class SimGraph:
         be._capturing = None
         if self._invalidated:
             # torch 2.11: the graph never counts as captured, so reset() gives no pool reference back,
-            # and the RNG's capture bookkeeping is left open.
+            # the RNG's capture bookkeeping is left open, and so is the allocator's routing to the pool
+            # (capture_end throws before endAllocateToPool: PyTorch #180395).
             self._ops = []
             be.poisoned = POISON_MESSAGE
+            be._routing_open.add((self._device, self._pool))
             raise RuntimeError(CAPTURE_INVALIDATED_MESSAGE)
         self._captured = True  # the pool references are now the graph's, given back by reset()
         self._replayable = True
@@ -330,10 +337,9 @@ class SimGraph:
             raise RuntimeError(POOL_MESSAGE)
         return self._pool
 
-    def __del__(self) -> None:  # ~CUDAGraph resets, and gives back a failed capture's references too
+    def __del__(self) -> None:  # ~CUDAGraph resets (a failed capture's references stay: measured)
         with contextlib.suppress(Exception):
             self.reset()
-            self._give_back()
 
 
 def _copy_into_storage(weak: StorageWeakRef, meta: tuple, value: torch.Tensor) -> None:
@@ -363,6 +369,7 @@ class SimBackend(Backend):
         self._pools: dict[tuple[int, PoolId], _Pool] = {}
         self._freeable: set[tuple[int, PoolId]] = set()
         self._host_pools: dict[PoolId, int] = {}  # the host allocator's ledger: id -> use_count
+        self._routing_open: set[tuple[int, PoolId]] = set()  # captures the allocator still believes underway
         self._user_ids = itertools.count(1)  # graph_pool_handle() and MemPool: (0, n)
         self._graph_ids = itertools.count(1)  # a capture with no pool: (n, 0)
         self._default_streams = [SimStream(d, default=True) for d in range(devices)]
@@ -520,6 +527,9 @@ class SimBackend(Backend):
     def empty_cache(self) -> None:
         if self._capturing is not None:
             raise RuntimeError("empty_cache() during a capture is not permitted (simulated)")
+        if self._routing_open:
+            # On CUDA this assert, raised from a MemPool's destructor, aborts the process.
+            raise RuntimeError(UNDERWAY_MESSAGE)
         with self._lock:
             self._collect()
             for key in sorted(self._freeable):
@@ -581,3 +591,10 @@ class SimBackend(Backend):
 
     def release_pool_reference(self, pool_id: PoolId, device: int = 0) -> None:
         self._decref_pool(tuple(pool_id), device)
+
+    def end_capture_routing(self, pool_id: PoolId, device: int = 0) -> bool:
+        key = (device, tuple(pool_id))
+        if key not in self._routing_open:
+            return False
+        self._routing_open.discard(key)
+        return True
