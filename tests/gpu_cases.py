@@ -130,9 +130,9 @@ def sanitizer_no_false_positives():
             with torch.cuda.graph(g, pool=h, stream=s):
                 y = x @ x
             gs.append((g, y))
-        for g, _ in gs:
-            g.replay()
-        del gs, g, y
+        for pair in gs:  # no `for g, _ in gs`: `_` would keep the last output, and that pins the pool
+            pair[0].replay()
+        del gs, pair, g, y
         # legal reuse of an id after its outputs were freed (torch.cuda.graph empties both caches)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=h, stream=s):
