@@ -64,6 +64,10 @@ def add_options(parser: pytest.Parser) -> None:
         parser.addini(o.ini, o.help, default=None)
 
 
+# kind -> (cast, lowest accepted value, what it must be, an example)
+_NUMBERS = {"int": (int, 1, "an integer", 2), "float": (float, 0, "a number of seconds", 120)}
+
+
 def _convert(o: Option, raw: Any, source: str) -> Any:
     where = {"cli": f"--cudagraph-{o.name}", "env": o.env, "ini": f"ini {o.ini}"}[source]
     if o.kind == "bool":
@@ -75,21 +79,14 @@ def _convert(o: Option, raw: Any, source: str) -> Any:
         if text in ("0", "false", "no", "off", ""):
             return False
         raise pytest.UsageError(f"{where}={raw!r} is not a boolean: use 1/0, true/false, yes/no, on/off")
-    if o.kind == "int":
+    if o.kind in _NUMBERS:
+        cast, lowest, what, example = _NUMBERS[o.kind]
         try:
-            value = int(raw)
+            value = cast(raw)
         except (TypeError, ValueError):
-            raise pytest.UsageError(f"{where}={raw!r} is not an integer: e.g. {where}=2") from None
-        if value < 1:
-            raise pytest.UsageError(f"{where}={raw!r}: give a positive number")
-        return value
-    if o.kind == "float":
-        try:
-            value = float(raw)
-        except (TypeError, ValueError):
-            raise pytest.UsageError(f"{where}={raw!r} is not a number of seconds: e.g. {where}=120") from None
-        if value < 0:
-            raise pytest.UsageError(f"{where}={raw!r} is negative: give seconds >= 0 (0 means no limit)")
+            raise pytest.UsageError(f"{where}={raw!r} is not {what}: e.g. {where}={example}") from None
+        if value < lowest:
+            raise pytest.UsageError(f"{where}={raw!r} is below {lowest} ({'0 means no limit' if lowest == 0 else 'give a positive number'})")
         return value
     value = str(raw)
     if o.choices and value not in o.choices:

@@ -203,7 +203,10 @@ def test_gpu_marker_skips_without_gpu(pytester):
     [(["--cudagraph-backend=tpu"], {}, "*--cudagraph-backend='tpu' is not one of*"),
      ([], {"CUDAGRAPH_TIMEOUT": "soon"}, "*CUDAGRAPH_TIMEOUT='soon' is not a number*"),
      (["--cudagraph-report=/nonexistent/dir/r.json"], {}, "*folder /nonexistent/dir does not exist*"),
-     (["--cudagraph-start-method=thread"], {}, "*is not one of*")],
+     (["--cudagraph-start-method=thread"], {}, "*is not one of*"),
+     (["--cudagraph-mpi-ranks=0"], {}, "*--cudagraph-mpi-ranks='0' is below 1*"),
+     ([], {"CUDAGRAPH_TIMEOUT": "-3"}, "*CUDAGRAPH_TIMEOUT='-3' is below 0 (0 means no limit)*"),
+     (["--cudagraph-worker=threads"], {}, "*--cudagraph-worker='threads' is not one of: fork, mpi*")],
 )
 def test_bad_options(pytester, monkeypatch, args, env, message):
     for k, v in env.items():
