@@ -37,7 +37,6 @@ def process_backend(name: str) -> Backend:
         _held.clear()
     if name not in _backends:
         be = get_backend(name)
-        be.prewarm(0)  # workspaces are per process: create them before any baseline
         _backends[name] = be
         _backends[be.name] = be
     return _backends[name]
@@ -129,6 +128,8 @@ def run_cycle(
     """
     be = process_backend(backend)
     world = be.world
+    if world not in _seen_pools:
+        be.prewarm(0)  # library workspaces are per process: create them before the first baseline
     seen = _seen_pools.setdefault(world, set())
     prev_out, prev_pools = _held.pop(world, (None, []))
     _settle(be)
