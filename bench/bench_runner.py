@@ -138,16 +138,19 @@ def capture_memory(be, sizes, order, shared=True, new_stream_each=False, hidden=
 
 
 def bench_memory(be):
+    # Large enough that outputs and activations take large segments (a 4 MiB toy pool says little).
+    hidden = 4096 if be.name == "cuda" else 1024
     sizes = [1, 2, 4, 8, 16, 32, 64, 128]
     desc = sorted(sizes, reverse=True)
-    largest, _ = capture_memory(be, [max(sizes)], [max(sizes)])
-    shared, shared_growth = capture_memory(be, sizes, desc)
-    _, stream_growth = capture_memory(be, sizes, desc, new_stream_each=True)
+    largest, _ = capture_memory(be, [max(sizes)], [max(sizes)], hidden=hidden)
+    shared, shared_growth = capture_memory(be, sizes, desc, hidden=hidden)
+    _, stream_growth = capture_memory(be, sizes, desc, new_stream_each=True, hidden=hidden)
     res = {
+        "hidden": hidden,
         "largest_alone_mib": largest / MiB,
         "shared_largest_first_mib": shared / MiB,
-        "shared_smallest_first_mib": capture_memory(be, sizes, sorted(sizes))[0] / MiB,
-        "separate_pools_mib": capture_memory(be, sizes, desc, shared=False)[0] / MiB,
+        "shared_smallest_first_mib": capture_memory(be, sizes, sorted(sizes), hidden=hidden)[0] / MiB,
+        "separate_pools_mib": capture_memory(be, sizes, desc, shared=False, hidden=hidden)[0] / MiB,
         "one_stream_reserved_growth_mib": shared_growth / MiB,
         "new_stream_each_reserved_growth_mib": stream_growth / MiB,
     }
