@@ -28,6 +28,7 @@ import os
 import runpy
 import sys
 import threading
+import time
 import traceback
 import weakref
 from dataclasses import dataclass, field
@@ -40,18 +41,27 @@ SANITIZE_MODES = ("off", "on", "strict")
 
 
 class _Stack:
-    """A call stack taken cheaply (no source lines read, no frames kept alive), formatted when shown."""
+    """A call stack taken cheaply (code objects and line numbers only: no source read, no frame kept
+    alive), formatted when shown. Captures are timed, so this runs at every capture_begin."""
 
-    __slots__ = ("_summary", "_text")
+    __slots__ = ("_frames", "_text")
 
     def __init__(self, limit: int = 24):
-        frames = traceback.walk_stack(sys._getframe(2))
-        self._summary = traceback.StackSummary.extract(frames, limit=limit, lookup_lines=False)
+        frames = []
+        f = sys._getframe(2)
+        while f is not None and len(frames) < limit:
+            frames.append((f.f_code, f.f_lineno))
+            f = f.f_back
+        self._frames = frames
         self._text: str | None = None
 
     def __str__(self) -> str:
         if self._text is None:
-            keep = [f for f in reversed(self._summary) if "cudagraph_lifecycle/sanitizer" not in f.filename][-12:]
+            keep = [
+                traceback.FrameSummary(code.co_filename, lineno, code.co_name)
+                for code, lineno in reversed(self._frames)
+                if "cudagraph_lifecycle/sanitizer" not in code.co_filename
+            ][-12:]
             self._text = "".join(traceback.format_list(keep))
         return self._text
 
@@ -169,6 +179,7 @@ class PoolSanitizer:
         self._gid_of: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._saved: list[tuple[Any, str, Any]] = []
         self.stale_caught = 0
+        self.overhead_s = 0.0  # time spent in the capture wrappers themselves (bench/ reports it)
         self.active = False
 
     # install / uninstall ------------------------------------------------------------------------------
@@ -287,13 +298,16 @@ class PoolSanitizer:
         def capture_begin(graph, *args, **kwargs):
             if not san._t.owns(graph):
                 return original(graph, *args, **kwargs)
+            t0 = time.perf_counter()
             pool = kwargs.get("pool", args[0] if args else None)
             pool = None if pool is None or tuple(pool) == (0, 0) else tuple(pool)
             device = san._t.device_of_capture()
             if pool is not None:
                 with san._lock:
                     san._check_stale(pool, device)
+            t1 = time.perf_counter()
             original(graph, *args, **kwargs)
+            t2 = time.perf_counter()
             with san._lock:
                 gid = next(san._gids)
                 g = san._graphs[gid] = GraphEntry(gid, pool, device, _stack(2))
@@ -304,6 +318,7 @@ class PoolSanitizer:
                     san._graphs[old].alive = False
                 san._gid_of[graph] = gid
                 weakref.finalize(graph, san._graph_gone, gid)
+                san.overhead_s += t1 - t0 + time.perf_counter() - t2
 
         return capture_begin
 
@@ -321,6 +336,7 @@ class PoolSanitizer:
         @functools.wraps(original)
         def capture_end(graph, *args, **kwargs):
             original(graph, *args, **kwargs)  # on failure the graph keeps its references through reset
+            t0 = time.perf_counter()
             gid = san._gid_of.get(graph) if san._t.owns(graph) else None
             if gid is not None:
                 with san._lock:
@@ -329,6 +345,7 @@ class PoolSanitizer:
                         g.pool_id = tuple(graph.pool())
                         san._hold(g)
                     g.captured = True
+                    san.overhead_s += time.perf_counter() - t0
 
         return capture_end
 
