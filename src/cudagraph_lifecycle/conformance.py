@@ -519,8 +519,15 @@ def s_failed_capture_leaves_routing_on(c: Ctx) -> str:
     attempt(functools.partial(c.capture, g, h, lambda: (x * 2).sum().item()))
     g.reset()
     first = attempt(c.be.empty_cache)
-    c.be.end_capture_routing(h, 0)
-    return f"empty_cache: {first}, after ending routing: {attempt(c.be.empty_cache)}"
+    before = c.reserved(h)
+    with c.be.stream(c.stream):  # is an eager allocation on the failed capture's stream routed to the pool?
+        t = c.be.empty(4 * MiB // 4)
+    routed = c.reserved(h) > before
+    del t
+    on = c.be.end_capture_routing(h, 0)
+    again = c.be.end_capture_routing(h, 0)
+    return (f"empty_cache: {first}, stream alloc routed: {routed}, routing was on: {on}, "
+            f"after ending: {again}, then empty_cache: {attempt(c.be.empty_cache)}")
 
 
 def s_autograd_clone_pins_pool(c: Ctx) -> str:
@@ -644,7 +651,8 @@ SCENARIOS: list[Scenario] = [
     Scenario("failed_capture_destructor_gives_back", s_failed_capture_destructor_gives_back,
              "after reset 2, after del 2"),
     Scenario("failed_capture_leaves_routing_on", s_failed_capture_leaves_routing_on,
-             "empty_cache: captures-underway, after ending routing: ok"),
+             "empty_cache: ok, stream alloc routed: False, routing was on: True, after ending: False, "
+             "then empty_cache: ok"),
     Scenario("autograd_clone_pins_pool", s_autograd_clone_pins_pool, "2MiB->0MiB"),
     Scenario("no_grad_clone_does_not_pin", s_no_grad_clone_does_not_pin, "0MiB"),
     Scenario("runner_release_clean", s_runner_release_clean, "equal=True clean=True"),

@@ -240,10 +240,9 @@ class CUDAGraphRunner:
                         err = err or e
                 self._stats.capture_ms += (time.perf_counter() - t0) * 1e3
         if err is not None:
-            # torch 2.11, when capture_end fails: the allocator still routes to the pool (PyTorch #180395;
-            # the next empty_cache, or the MemPool's destructor, then asserts and aborts: a SIGABRT seen on
-            # the H200), and the graph keeps its pool reference through reset() and destruction (measured:
-            # MemPool use_count 2). Stop the routing, then give back only what is still held.
+            # torch 2.11, when capture_end fails: the allocator's record of the capture stays open
+            # (PyTorch #180395; measured), and the graph keeps its pool reference through reset() and
+            # destruction (measured: MemPool use_count 2). Close the record, give back what is still held.
             be.end_capture_routing(pool_id, self.device)
             graph.reset()
             del graph

@@ -128,10 +128,9 @@ class Backend(ABC):
         """``torch._C._host_emptyCache``: erases the host allocator's graph pools at use_count 0."""
 
     def end_capture_routing(self, pool_id: PoolId, device: int = 0) -> bool:
-        """After a capture that failed at ``capture_end``: stop routing allocations to the pool if the
-        allocator still does (torch 2.11 leaves it on when ``cudaStreamEndCapture`` fails: PyTorch #180395;
-        a later ``empty_cache`` or MemPool destruction then asserts ``captures_underway.empty()``, and in a
-        destructor that aborts the process). True if routing was still on."""
+        """After a capture that failed at ``capture_end``: close the allocator's record of the capture if it
+        is still open (torch 2.11 leaves it open when ``cudaStreamEndCapture`` fails, PyTorch #180395:
+        measured on the H200; while open, the allocator believes a capture is underway). True if it was."""
         return False
 
     @abstractmethod
