@@ -97,18 +97,29 @@ def bench_step(be, iters):
             "target_runner_over_raw": 1.05}
 
 
-def capture_memory(be, sizes, order, shared=True, new_stream_each=False, hidden=2048):
-    """(bytes of the graphs' pools, growth of reserved memory) for an MLP captured at ``sizes`` in ``order``."""
+def capture_memory(be, sizes, order, shared=True, new_stream_each=False, hidden=2048, ffn=None,
+                   dtype=torch.float32):
+    """(bytes of the graphs' pools, growth of reserved memory) for an MLP captured at ``sizes`` in ``order``.
+    Without ``ffn``: 4 square layers; with it: 4 transformer-style MLP blocks (hidden -> ffn -> hidden)."""
     dev = be.torch_device(0)
     torch.manual_seed(0)
-    ws = [torch.randn(hidden, hidden, device=dev) * hidden**-0.5 for _ in range(4)]
+    if ffn is None:
+        ws = [torch.randn(hidden, hidden, device=dev, dtype=dtype) * hidden**-0.5 for _ in range(4)]
 
-    def fwd(x):
-        for w in ws:
-            x = torch.relu(x @ w)
-        return x
+        def fwd(x):
+            for w in ws:
+                x = torch.relu(x @ w)
+            return x
+    else:
+        ws = [(torch.randn(hidden, ffn, device=dev, dtype=dtype) * hidden**-0.5,
+               torch.randn(ffn, hidden, device=dev, dtype=dtype) * ffn**-0.5) for _ in range(4)]
 
-    static = torch.zeros(max(sizes), hidden, device=dev)
+        def fwd(x):
+            for up, down in ws:
+                x = x + torch.relu(x @ up) @ down
+            return x
+
+    static = torch.zeros(max(sizes), hidden, device=dev, dtype=dtype)
     be.synchronize()
     be.empty_cache()
     base = be.memory_reserved(0)
@@ -132,31 +143,41 @@ def capture_memory(be, sizes, order, shared=True, new_stream_each=False, hidden=
     total = sum(be.pool_state(p).reserved_bytes for p in set(pools))
     growth = be.memory_reserved(0) - base
     del keep, out, g
+    ws.clear()  # the weights go too: the next case starts from the same reserved memory
     be.synchronize()
     be.empty_cache()
     return total, growth
 
 
-def bench_memory(be):
-    # Large enough that outputs and activations take large segments (a 4 MiB toy pool says little).
-    hidden = 4096 if be.name == "cuda" else 1024
-    sizes = [1, 2, 4, 8, 16, 32, 64, 128]
+def memory_case(be, sizes, **model):
     desc = sorted(sizes, reverse=True)
-    largest, _ = capture_memory(be, [max(sizes)], [max(sizes)], hidden=hidden)
-    shared, shared_growth = capture_memory(be, sizes, desc, hidden=hidden)
-    _, stream_growth = capture_memory(be, sizes, desc, new_stream_each=True, hidden=hidden)
+    largest, _ = capture_memory(be, [max(sizes)], [max(sizes)], **model)
+    shared, shared_growth = capture_memory(be, sizes, desc, **model)
+    _, stream_growth = capture_memory(be, sizes, desc, new_stream_each=True, **model)
     res = {
-        "hidden": hidden,
+        "sizes": sizes,
+        **{k: str(v).replace("torch.", "") if isinstance(v, torch.dtype) else v for k, v in model.items()},
         "largest_alone_mib": largest / MiB,
         "shared_largest_first_mib": shared / MiB,
-        "shared_smallest_first_mib": capture_memory(be, sizes, sorted(sizes), hidden=hidden)[0] / MiB,
-        "separate_pools_mib": capture_memory(be, sizes, desc, shared=False, hidden=hidden)[0] / MiB,
+        "shared_smallest_first_mib": capture_memory(be, sizes, sorted(sizes), **model)[0] / MiB,
+        "separate_pools_mib": capture_memory(be, sizes, desc, shared=False, **model)[0] / MiB,
         "one_stream_reserved_growth_mib": shared_growth / MiB,
         "new_stream_each_reserved_growth_mib": stream_growth / MiB,
     }
     res["shared_over_largest"] = res["shared_largest_first_mib"] / res["largest_alone_mib"]
     res["target_shared_over_largest"] = 1.15
     return res
+
+
+def bench_memory(be):
+    """Two models: a small square MLP (its blocks straddle the allocator's 1 MiB small/large split, so the
+    fixed 2 MiB small segments weigh in), and a decode-sized one (Llama-8B-like MLP blocks in bf16)."""
+    if be.name != "cuda":  # the simulated allocator keeps real CPU tensors: keep it small
+        return {"small": memory_case(be, [1, 2, 4, 8, 16, 32, 64, 128], hidden=1024)}
+    return {
+        "small": memory_case(be, [1, 2, 4, 8, 16, 32, 64, 128], hidden=4096),
+        "decode": memory_case(be, [2, 4, 8, 16, 32, 64, 128, 256], hidden=4096, ffn=14336, dtype=torch.bfloat16),
+    }
 
 
 def bench_release(be):
@@ -191,7 +212,7 @@ def bench_release(be):
             "target_runner_bytes_after_release": 0}
 
 
-def bench_sanitizer(be, rounds=5):
+def bench_sanitizer(be, rounds=10):
     """Capture time of a runner (8 batch sizes) and replay time, with and without the pool sanitizer."""
     from cudagraph_lifecycle import PoolSanitizer
 
@@ -210,17 +231,30 @@ def bench_sanitizer(be, rounds=5):
 
     capture_ms()  # warm: lazy init and kernel selection out of the numbers
     plain, watched, plain_step, watched_step = [], [], [], []
-    for _ in range(rounds):
+    self_s, graphs = 0.0, 0
+
+    def watched_once():
+        nonlocal self_s, graphs
+        with PoolSanitizer(be) as san:
+            ms, st = capture_ms()
+        self_s += san.overhead_s
+        graphs += 8
+        watched.append(ms)
+        watched_step.append(st)
+
+    def plain_once():
         ms, st = capture_ms()
         plain.append(ms)
         plain_step.append(st)
-        with PoolSanitizer(be):
-            ms, st = capture_ms()
-        watched.append(ms)
-        watched_step.append(st)
+
+    for i in range(rounds):  # ABBA: neither side always runs first
+        first, second = (plain_once, watched_once) if i % 2 == 0 else (watched_once, plain_once)
+        first()
+        second()
     p, w = statistics.median(plain), statistics.median(watched)
     ps, ws = statistics.median(plain_step), statistics.median(watched_step)
     return {"capture_ms": p, "capture_ms_sanitized": w, "capture_overhead": w / p - 1, "target_capture_overhead": 0.05,
+            "wrapper_us_per_capture": self_s / graphs * 1e6, "wrapper_share_of_capture": self_s / graphs * 8e3 / p,
             "step_us": ps, "step_us_sanitized": ws, "step_ratio": ws / ps,
             "capture_spread_ms": [min(plain), max(plain)], "capture_spread_sanitized_ms": [min(watched), max(watched)]}
 

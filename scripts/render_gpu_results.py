@@ -38,12 +38,16 @@ def main(folder: str) -> None:
         print("| figure | measured | target |\n|---|---|---|")
         print(f"| runner step / raw copy-in + replay (launch-bound, batch 1, fp16) | {st['runner_over_raw']:.3f} "
               f"({st['runner_us']:.1f} vs {st['raw_copy_replay_us']:.1f} µs; eager {st['eager_us']:.1f} µs) | ≤ 1.05 |")
-        print(f"| 8 sizes in one pool / largest alone | {mem['shared_over_largest']:.3f} "
-              f"({mem['shared_largest_first_mib']:.0f} vs {mem['largest_alone_mib']:.0f} MiB) | ≤ 1.15 |")
-        print(f"| smallest-first / separate pools (MiB) | {mem['shared_smallest_first_mib']:.0f} / "
-              f"{mem['separate_pools_mib']:.0f} | more than largest-first |")
-        print(f"| reserved growth: one stream / a new stream per capture (MiB) | "
-              f"{mem['one_stream_reserved_growth_mib']:.0f} / {mem['new_stream_each_reserved_growth_mib']:.0f} | |")
+        cases = mem.items() if "small" in mem else [("small", mem)]  # older runs had one model
+        for name, m in cases:
+            model = (f"{name}: hidden {m.get('hidden')}" + (f", ffn {m['ffn']}" if m.get("ffn") else "")
+                     + f", {m.get('dtype', 'float32')}, sizes {m.get('sizes', '1..128')}")
+            print(f"| 8 sizes in one pool / largest alone ({model}) | {m['shared_over_largest']:.3f} "
+                  f"({m['shared_largest_first_mib']:.0f} vs {m['largest_alone_mib']:.0f} MiB) | ≤ 1.15 |")
+            print(f"| {name}: smallest-first / separate pools (MiB) | {m['shared_smallest_first_mib']:.0f} / "
+                  f"{m['separate_pools_mib']:.0f} | more than largest-first |")
+            print(f"| {name}: reserved growth, one stream / a new stream per capture (MiB) | "
+                  f"{m['one_stream_reserved_growth_mib']:.0f} / {m['new_stream_each_reserved_growth_mib']:.0f} | |")
         print(f"| bytes left after release: runner / naive keeping one output | {rel['runner_bytes_after_release']} / "
               f"{rel['naive_bytes_after_release']} | 0 |")
         if san:
