@@ -31,7 +31,7 @@ rc=0
 step conformance on cuda
 python3 -m cudagraph_lifecycle.conformance --backend cuda --jobs 8 --json "$R/conformance-cuda.json" || rc=1
 step GPU tests
-python3 -m pytest -p cudagraph -q tests/test_gpu.py --cudagraph-require-gpu -p no:cacheprovider || rc=1
+python3 -m pytest -p cudagraph -q -rP tests/test_gpu.py --cudagraph-require-gpu -p no:cacheprovider || rc=1
 step "examples, fork path (pytest process without CUDA)"
 python3 -m pytest -p cudagraph examples/ --cudagraph-require-gpu --cudagraph-report="$R/examples-fork.json" \
   -p no:cacheprovider || rc=1

@@ -171,6 +171,9 @@ def cublas_workspace_in_capture_pins_the_pool():
     be = get_backend("cuda")
     h = torch.cuda.graph_pool_handle()
     x = torch.randn(64, 64, device="cuda")
+    # The cuBLAS handle must exist before any capture (cublasCreate inside one fails: measured on the
+    # H200 in a fresh process); the per-stream workspace is what this case is about.
+    (x @ x).sum().item()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g, pool=h, stream=torch.cuda.Stream()):
         y = x @ x
@@ -179,3 +182,36 @@ def cublas_workspace_in_capture_pins_the_pool():
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     return be.pool_state(h).reserved_bytes
+
+
+
+_RUNNER_FAILURE_IN_FRESH_PROCESS = """
+import sys, torch
+sys.path.insert(0, "tests")
+import gpu_cases
+from cudagraph_lifecycle.backends.cuda import CudaBackend
+if not {end_routing}:
+    CudaBackend.end_capture_routing = lambda self, pool_id, device=0: False  # the runner before the fix
+r = gpu_cases.runner_capture_failure()
+print("released clean" if r["clean"] else "released NOT clean", flush=True)
+x = torch.randn(4, 4, device="cuda")
+torch.cuda.synchronize()
+torch.cuda.empty_cache()
+print("survived", flush=True)
+"""
+
+
+def runner_failure_with_and_without_ending_routing():
+    """Each in a fresh process: the runner's capture-failure path, with its routing fix and without it."""
+    import subprocess
+    import sys
+
+    out = {}
+    for end in (False, True):
+        p = subprocess.run([sys.executable, "-c", _RUNNER_FAILURE_IN_FRESH_PROCESS.format(end_routing=end)],
+                           capture_output=True, text=True, timeout=120)
+        out["ended" if end else "left_on"] = {
+            "rc": p.returncode, "stdout": p.stdout.strip().splitlines(),
+            "stderr_tail": [ln for ln in p.stderr.strip().splitlines() if ln.strip()][-4:],
+        }
+    return out

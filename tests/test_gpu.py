@@ -66,3 +66,12 @@ def test_cublas_workspace_allocated_in_capture_pins_the_pool(cudagraph_worker):
     # measured fact the runner relies on: warm up on the capture stream, or the workspace lands in the pool
     pinned = cudagraph_worker.call(gpu_cases.cublas_workspace_in_capture_pins_the_pool)
     assert pinned > 0
+
+
+
+def test_runner_failure_path_with_and_without_ending_the_routing(cudagraph_worker):
+    # The fix (the runner ends the allocator's routing after a failed capture, PyTorch #180395) must keep
+    # the process alive and the release clean; what happens without it is recorded in the GPU results.
+    r = cudagraph_worker.call(gpu_cases.runner_failure_with_and_without_ending_routing)
+    print("without ending the routing:", r["left_on"])
+    assert r["ended"]["rc"] == 0 and r["ended"]["stdout"] == ["released clean", "survived"], r
