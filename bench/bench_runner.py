@@ -229,6 +229,11 @@ def bench_sanitizer(be, rounds=10):
         r.release()
         return ms, step
 
+    def capture_only():
+        r = CUDAGraphRunner(fwd, [1, 2, 4, 8, 16, 32, 64, 128], (256,), dtype=dtype, backend=be, warmup=1)
+        r.capture()
+        r.release()
+
     capture_ms()  # warm: lazy init and kernel selection out of the numbers
     plain, watched, plain_step, watched_step = [], [], [], []
     self_s, graphs = 0.0, 0
@@ -253,10 +258,31 @@ def bench_sanitizer(be, rounds=10):
         second()
     p, w = statistics.median(plain), statistics.median(watched)
     ps, ws = statistics.median(plain_step), statistics.median(watched_step)
-    return {"capture_ms": p, "capture_ms_sanitized": w, "capture_overhead": w / p - 1, "target_capture_overhead": 0.05,
+    return {"profile_top": sanitized_profile(be, capture_only), "capture_ms": p, "capture_ms_sanitized": w, "capture_overhead": w / p - 1, "target_capture_overhead": 0.05,
             "wrapper_us_per_capture": self_s / graphs * 1e6, "wrapper_share_of_capture": self_s / graphs * 8e3 / p,
             "step_us": ps, "step_us_sanitized": ws, "step_ratio": ws / ps,
             "capture_spread_ms": [min(plain), max(plain)], "capture_spread_sanitized_ms": [min(watched), max(watched)]}
+
+
+def sanitized_profile(be, capture, top=15):
+    """Where a sanitized capture's host time goes (cProfile, own time): for the next overhead cut."""
+    import cProfile
+    import pstats
+
+    from cudagraph_lifecycle import PoolSanitizer
+
+    prof = cProfile.Profile()
+    san = PoolSanitizer(be).start()
+    try:
+        prof.enable()
+        capture()
+        prof.disable()
+    finally:
+        san.stop()
+    st = pstats.Stats(prof)
+    rows = sorted(st.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]  # by own time
+    return [f"{fn.rsplit('/', 2)[-1] if '/' in fn else fn}:{line}({name}) calls={cc} own_us={tt * 1e6:.0f}"
+            for (fn, line, name), (cc, nc, tt, ct, callers) in rows]
 
 
 def main():

@@ -40,17 +40,27 @@ from .errors import ConfigError, StalePoolError
 SANITIZE_MODES = ("off", "on", "strict")
 
 
+_TAG = "_cudagraph_sanitizer_gid"
+
+
+def _line_of(code, lasti: int) -> int:
+    for start, end, line in code.co_lines():
+        if start <= lasti < end and line is not None:
+            return line
+    return code.co_firstlineno
+
+
 class _Stack:
-    """A call stack taken cheaply (code objects and line numbers only: no source read, no frame kept
-    alive), formatted when shown. Captures are timed, so this runs at every capture_begin."""
+    """A call stack taken cheaply, formatted when shown: code objects and instruction offsets only (no line
+    number decoded, no source read, no frame kept alive). Captures are timed, and this runs at each one."""
 
     __slots__ = ("_frames", "_text")
 
-    def __init__(self, limit: int = 24):
+    def __init__(self, limit: int = 12):
         frames = []
         f = sys._getframe(2)
         while f is not None and len(frames) < limit:
-            frames.append((f.f_code, f.f_lineno))
+            frames.append((f.f_code, f.f_lasti))
             f = f.f_back
         self._frames = frames
         self._text: str | None = None
@@ -58,8 +68,8 @@ class _Stack:
     def __str__(self) -> str:
         if self._text is None:
             keep = [
-                traceback.FrameSummary(code.co_filename, lineno, code.co_name)
-                for code, lineno in reversed(self._frames)
+                traceback.FrameSummary(code.co_filename, _line_of(code, lasti), code.co_name)
+                for code, lasti in reversed(self._frames)
                 if "cudagraph_lifecycle/sanitizer" not in code.co_filename
             ][-12:]
             self._text = "".join(traceback.format_list(keep))
@@ -150,7 +160,7 @@ class _Target:
         if self.be.name == "cuda":
             import torch
 
-            return torch.cuda.current_device()
+            return torch._C._cuda_getDevice()  # the capture is underway: CUDA is initialized
         return self.be._current_stream.device
 
 
@@ -176,7 +186,9 @@ class PoolSanitizer:
         self._minted: dict[PoolId, _Stack] = {}
         self._graphs: dict[int, GraphEntry] = {}
         self._gids = itertools.count(1)
-        self._gid_of: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._gid_of: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graphs that take no attribute
+        self._token = object()  # tells this sanitizer's tags on graphs from an earlier one's
+        self._graph_refs: dict[int, weakref.ref] = {}
         self._saved: list[tuple[Any, str, Any]] = []
         self.stale_caught = 0
         self.overhead_s = 0.0  # time spent in the capture wrappers themselves (bench/ reports it)
@@ -244,6 +256,25 @@ class PoolSanitizer:
         e.host_count -= 1
         if e.device_count == 0 or e.host_count == 0:
             e.released_at = _stack(3)
+
+    # A graph's ledger id rides on the graph itself (a WeakKeyDictionary lookup costs more, and capture
+    # time is measured against a 5% budget); its death is seen through a weakref callback.
+    def _gid(self, graph: Any) -> int | None:
+        tag = getattr(graph, _TAG, None)
+        if tag is not None and tag[0] is self._token:
+            return tag[1]
+        return self._gid_of.get(graph)
+
+    def _tag(self, graph: Any, gid: int) -> None:
+        try:
+            setattr(graph, _TAG, (self._token, gid))
+        except AttributeError:
+            self._gid_of[graph] = gid
+        self._graph_refs[gid] = weakref.ref(graph, functools.partial(self._ref_gone, gid))
+
+    def _ref_gone(self, gid: int, _ref: Any) -> None:
+        self._graph_refs.pop(gid, None)
+        self._graph_gone(gid)
 
     def _graph_gone(self, gid: int) -> None:
         with self._lock:
@@ -313,11 +344,10 @@ class PoolSanitizer:
                 g = san._graphs[gid] = GraphEntry(gid, pool, device, _stack(2))
                 if pool is not None:  # the capture holds its references from now on, even if it fails
                     san._hold(g)
-                old = san._gid_of.get(graph)
+                old = san._gid(graph)
                 if old is not None:
                     san._graphs[old].alive = False
-                san._gid_of[graph] = gid
-                weakref.finalize(graph, san._graph_gone, gid)
+                san._tag(graph, gid)
                 san.overhead_s += t1 - t0 + time.perf_counter() - t2
 
         return capture_begin
@@ -337,7 +367,7 @@ class PoolSanitizer:
         def capture_end(graph, *args, **kwargs):
             original(graph, *args, **kwargs)  # on failure the graph keeps its references through reset
             t0 = time.perf_counter()
-            gid = san._gid_of.get(graph) if san._t.owns(graph) else None
+            gid = san._gid(graph) if san._t.owns(graph) else None
             if gid is not None:
                 with san._lock:
                     g = san._graphs[gid]
@@ -355,7 +385,7 @@ class PoolSanitizer:
         @functools.wraps(original)
         def reset(graph, *args, **kwargs):
             out = original(graph, *args, **kwargs)
-            gid = san._gid_of.get(graph) if san._t.owns(graph) else None
+            gid = san._gid(graph) if san._t.owns(graph) else None
             if gid is not None:
                 with san._lock:
                     g = san._graphs[gid]
