@@ -10,7 +10,9 @@ mkdir -p "$R"
 LOG=$R/full.log
 exec > >(tee "$LOG") 2>&1
 export PYTHONUNBUFFERED=1
-step() { echo; echo "=== $* ($(date -u +%H:%M:%S))"; }
+step() { echo; echo "=== $* ($(date -u +%H:%M:%S))"; STEP="$*"; T0=$SECONDS; }
+# the outcome of each step goes into summary.md, so the committed results say what passed
+mark() { local r=$?; echo "- ${STEP}: $([ $r = 0 ] && echo ok || echo "FAILED (rc $r)") in $((SECONDS - T0)) s" >> "$R/steps.md"; [ $r = 0 ] || rc=1; }
 
 step install
 python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/site . 2>&1 | tail -3 \
@@ -29,28 +31,29 @@ print(f"- pytest {pytest.__version__}, pytest-cudagraph {md.version('pytest-cuda
 PY
 rc=0
 step conformance on cuda
-python3 -m cudagraph_lifecycle.conformance --backend cuda --jobs 8 --json "$R/conformance-cuda.json" || rc=1
+python3 -m cudagraph_lifecycle.conformance --backend cuda --jobs 8 --json "$R/conformance-cuda.json"; mark
 step GPU tests
-python3 -m pytest -p cudagraph -q -rP tests/test_gpu.py --cudagraph-require-gpu -p no:cacheprovider || rc=1
+python3 -m pytest -p cudagraph -q -rP tests/test_gpu.py --cudagraph-require-gpu -p no:cacheprovider; mark
 step "examples, fork path (pytest process without CUDA)"
 python3 -m pytest -p cudagraph examples/ --cudagraph-require-gpu --cudagraph-report="$R/examples-fork.json" \
-  -p no:cacheprovider || rc=1
+  -p no:cacheprovider; mark
 step "examples, spawn path (pytest process initialized CUDA)"
 CUDAGRAPH_EXAMPLES_INIT_CUDA=1 python3 -m pytest -p cudagraph examples/ --cudagraph-require-gpu \
-  --cudagraph-report="$R/examples-spawn.json" -p no:cacheprovider || rc=1
+  --cudagraph-report="$R/examples-spawn.json" -p no:cacheprovider; mark
 step "examples, -n 2 on one GPU"
-python3 -m pytest -p cudagraph examples/ -n 2 --cudagraph-require-gpu -p no:cacheprovider -q || rc=1
+python3 -m pytest -p cudagraph examples/ -n 2 --cudagraph-require-gpu -p no:cacheprovider -q; mark
 step bench runner
-python3 bench/bench_runner.py --backend cuda --json "$R/bench-runner.json" || rc=1
+python3 bench/bench_runner.py --backend cuda --json "$R/bench-runner.json"; mark
 step bench worker
-python3 bench/bench_worker.py --backend cuda --engines 3 --json "$R/bench-worker.json" || rc=1
+python3 bench/bench_worker.py --backend cuda --engines 3 --json "$R/bench-worker.json"; mark
 step "examples on 2 MPI ranks sharing the GPU"
 python3 -m pytest -p cudagraph examples/test_mpi_lifecycle.py --cudagraph-require-gpu --cudagraph-require-mpi \
-  --cudagraph-report="$R/examples-mpi.json" -p no:cacheprovider || rc=1
+  --cudagraph-report="$R/examples-mpi.json" -p no:cacheprovider; mark
 step bench mpi
-python3 bench/bench_mpi.py --backend cuda --ranks 2 --engines 3 --json "$R/bench-mpi.json" || rc=1
+python3 bench/bench_mpi.py --backend cuda --ranks 2 --engines 3 --json "$R/bench-mpi.json"; mark
 step done rc=$rc
 sleep 1
+{ echo; echo "## Steps"; cat "$R/steps.md"; } >> "$R/summary.md"
 cp "$R/summary.md" "$OUT/" 2>/dev/null
 tar -czf "$OUT/gpu-results.tgz" -C "$(dirname "$R")" gpu-results
 exit $rc

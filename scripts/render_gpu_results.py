@@ -53,6 +53,9 @@ def main(folder: str) -> None:
         if san:
             print(f"| sanitizer: capture time overhead | {san['capture_overhead'] * 100:+.1f}% "
                   f"({san['capture_ms_sanitized']:.1f} vs {san['capture_ms']:.1f} ms) | ≤ 5% |")
+            if "wrapper_us_per_capture" in san:
+                print(f"| sanitizer: its wrappers' own time per capture | {san['wrapper_us_per_capture']:.1f} µs "
+                      f"({san['wrapper_share_of_capture'] * 100:.1f}% of capture time) | |")
             print(f"| sanitizer: replay step ratio | {san['step_ratio']:.3f} | within noise |")
     bw = load(folder, "bench-worker.json")
     if bw:
