@@ -109,18 +109,16 @@ class _Segment:
     def allocated(self) -> int:
         return sum(b.size for b in self.blocks)
 
-    def best_gap(self, size: int) -> int | None:
-        """Offset of the smallest free gap that fits ``size``, or None."""
-        best: tuple[int, int] | None = None
-        cursor = 0
-        for b in sorted(self.blocks, key=lambda b: b.offset) + [None]:
-            end = self.size if b is None else b.offset
-            gap = end - cursor
-            if gap >= size and (best is None or gap < best[0]):
-                best = (gap, cursor)
-            if b is not None:
-                cursor = b.offset + b.size
-        return None if best is None else best[1]
+    def free_gaps(self) -> list[tuple[int, int]]:
+        """(offset, size) of each free region, lowest offset first: the segment's free blocks, coalesced."""
+        gaps, cursor = [], 0
+        for b in sorted(self.blocks, key=lambda b: b.offset):
+            if b.offset > cursor:
+                gaps.append((cursor, b.offset - cursor))
+            cursor = b.offset + b.size
+        if self.size > cursor:
+            gaps.append((cursor, self.size - cursor))
+        return gaps
 
 
 @dataclass(eq=False)
@@ -457,21 +455,23 @@ class SimBackend(Backend):
             pool = self._pools[(graph._device, graph._pool)]
             size = round_size(t.untyped_storage().nbytes())
             small = size <= SMALL_SIZE
-            best: tuple[int, _Segment, int] | None = None
-            for seg in pool.segments:
+            # Best fit over every free block of the size class in the pool (the smallest that fits, then the
+            # oldest segment, then the lowest offset), as the caching allocator's get_free_block does.
+            best: tuple[int, int, _Segment, int] | None = None
+            for i, seg in enumerate(pool.segments):
                 if seg.small != small:
                     continue
-                off = seg.best_gap(size)
-                if off is not None:
-                    free = seg.size - seg.allocated()
-                    if best is None or free < best[0]:
-                        best = (free, seg, off)
+                for off, gap in seg.free_gaps():
+                    if gap >= size and (best is None or (gap, i) < best[:2]):
+                        best = (gap, i, seg, off)
             if best is None:
                 seg = _Segment(segment_size(size), small)
                 pool.segments.append(seg)
-                off = 0
+                off, gap = 0, seg.size
             else:
-                _, seg, off = best
+                gap, _, seg, off = best
+            if not small and gap - size <= SMALL_SIZE:
+                size = gap  # a large block is split only if more than 1 MiB would remain (should_split)
             stack = traceback.format_stack(limit=12)[:-3] if self.record_stacks else None
             seg.blocks.append(_Block(off, size, StorageWeakRef(t.untyped_storage()), _storage_key(t), stack))
 

@@ -1,0 +1,54 @@
+"""The simulated allocator's graph-memory figures against the committed H200 measurements.
+
+bench/bench_runner.py measures the bytes of the graphs' pools for 8 batch sizes captured several ways; the
+GPU check commits those figures (docs/gpu-results/<run>/bench-runner.json). The same captures on ``sim`` must
+give the same pool bytes: block placement, splitting and segment sizes are part of what ``sim`` models.
+Reserved-memory growth is not compared: ``sim`` keeps books of private graph pools only.
+"""
+
+import glob
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+POOL_FIGURES = ("largest_alone_mib", "shared_largest_first_mib", "shared_smallest_first_mib", "separate_pools_mib")
+
+
+def recorded_models():
+    """(run, model name, figures) from every committed GPU run that recorded its models' parameters."""
+    out = []
+    for path in sorted(glob.glob(os.path.join(ROOT, "docs", "gpu-results", "*", "bench-runner.json"))):
+        mem = json.load(open(path)).get("memory", {})
+        for name, fig in mem.items():
+            if isinstance(fig, dict) and "sizes" in fig and "hidden" in fig:
+                out.append((os.path.basename(os.path.dirname(path)), name, fig))
+    return out
+
+
+MODELS = recorded_models()
+
+
+def test_some_gpu_run_recorded_its_models():
+    assert MODELS, "no committed bench-runner.json with model parameters under docs/gpu-results"
+
+
+@pytest.mark.parametrize("run,name,fig", MODELS, ids=[f"conformance-memory-{r}-{n}" for r, n, _ in MODELS])
+def test_sim_pool_bytes_equal_the_h200(run, name, fig):
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    try:
+        from bench_runner import memory_case
+    finally:
+        sys.path.pop(0)
+    from cudagraph_lifecycle import get_backend
+
+    model = {"hidden": fig["hidden"]}
+    if fig.get("ffn"):
+        model["ffn"] = fig["ffn"]
+    if fig.get("dtype"):
+        model["dtype"] = getattr(torch, fig["dtype"])
+    got = memory_case(get_backend("sim"), fig["sizes"], **model)
+    assert {k: got[k] for k in POOL_FIGURES} == {k: fig[k] for k in POOL_FIGURES}
