@@ -46,6 +46,9 @@ def main(folder: str) -> None:
                   f"({m['shared_largest_first_mib']:.0f} vs {m['largest_alone_mib']:.0f} MiB) | ≤ 1.15 |")
             print(f"| {name}: smallest-first / separate pools (MiB) | {m['shared_smallest_first_mib']:.0f} / "
                   f"{m['separate_pools_mib']:.0f} | more than largest-first |")
+            if "shared_one_output_buffer_mib" in m:
+                print(f"| {name}: largest-first, every output copied into one buffer (MiB) | "
+                      f"{m['shared_one_output_buffer_mib']:.0f} | |")
             print(f"| {name}: reserved growth, one stream / a new stream per capture (MiB) | "
                   f"{m['one_stream_reserved_growth_mib']:.0f} / {m['new_stream_each_reserved_growth_mib']:.0f} | |")
         print(f"| bytes left after release: runner / naive keeping one output | {rel['runner_bytes_after_release']} / "
