@@ -101,7 +101,7 @@ class PoolEntry:
         return (self.device_count == 0 and self.device_alive) or (self.host_count == 0 and self.host_alive)
 
 
-@dataclass(slots=True)
+@dataclass
 class GraphEntry:
     gid: int
     pool_id: PoolId | None  # None until capture_end for a capture without a pool argument
@@ -341,8 +341,7 @@ class PoolSanitizer:
             t2 = time.perf_counter()
             with san._lock:
                 gid = next(san._gids)
-                # 6 frames per graph (its capture site); the pool's mint and release sites keep 12
-                g = san._graphs[gid] = GraphEntry(gid, pool, device, _Stack(6))
+                g = san._graphs[gid] = GraphEntry(gid, pool, device, _stack(2))
                 if pool is not None:  # the capture holds its references from now on, even if it fails
                     san._hold(g)
                 old = san._gid(graph)
