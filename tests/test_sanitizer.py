@@ -24,6 +24,15 @@ def release_here(g):
     g.reset()
 
 
+def released_pool(be, c):
+    """A handle whose only graph was captured, reset, and its output dropped: only the caches still hold it."""
+    h = be.graph_pool_handle()
+    g = be.new_graph()
+    c.step(g, h)
+    g.reset()
+    return h
+
+
 def test_sanitizer_catches_stale_pool_before_the_allocator(sim):
     be, san, c = sim
     h = mint_here(be)
@@ -40,11 +49,7 @@ def test_sanitizer_catches_stale_pool_before_the_allocator(sim):
 
 def test_sanitizer_stale_after_empty_cache_names_the_host_ledger(sim):
     be, _, c = sim
-    h = be.graph_pool_handle()
-    g = be.new_graph()
-    y = c.step(g, h)
-    g.reset()
-    del y
+    h = released_pool(be, c)
     be.empty_cache()
     with pytest.raises(StalePoolError, match="host allocator's ledger") as e:
         c.step(be.new_graph(), h)
@@ -53,11 +58,7 @@ def test_sanitizer_stale_after_empty_cache_names_the_host_ledger(sim):
 
 def test_sanitizer_allows_legal_reuse_after_both_caches(sim):
     be, san, c = sim
-    h = be.graph_pool_handle()
-    g = be.new_graph()
-    y = c.step(g, h)
-    g.reset()
-    del y
+    h = released_pool(be, c)
     be.empty_cache()
     be.host_empty_cache()
     c.step(be.new_graph(), h)  # legal: the pool is created afresh under the same id
@@ -66,11 +67,7 @@ def test_sanitizer_allows_legal_reuse_after_both_caches(sim):
 
 def test_sanitizer_allows_torch_graph_context_reuse(sim):
     be, san, c = sim
-    h = be.graph_pool_handle()
-    g1 = be.new_graph()
-    y = c.step(g1, h)
-    g1.reset()
-    del y, g1
+    h = released_pool(be, c)
     x = c.tensor()
     with be.graph(be.new_graph(), pool=h):
         x * 2
