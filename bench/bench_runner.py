@@ -217,8 +217,15 @@ def bench_release(be):
             "target_runner_bytes_after_release": 0}
 
 
-def bench_sanitizer(be, rounds=10):
-    """Capture time of a runner (8 batch sizes) and replay time, with and without the pool sanitizer."""
+def bench_sanitizer(be, rounds=100, step_rounds=10):
+    """Capture time of a runner (8 batch sizes) and replay time, with and without the pool sanitizer.
+
+    Paired rounds in ABBA order, a full collection before each capture (so a gen-2 GC lands in neither
+    side by chance); the overhead is the median of the per-round ratios, which cancels the host's drift,
+    with its interquartile range. The sanitizer's own time inside its wrappers is summed as well.
+    """
+    import gc
+
     from cudagraph_lifecycle import PoolSanitizer
 
     dev = be.torch_device(0)
@@ -226,45 +233,64 @@ def bench_sanitizer(be, rounds=10):
     fwd = launch_bound_model(dev, dtype)
     x = torch.randn(3, 256, device=dev, dtype=dtype)
 
+    def runner():
+        return CUDAGraphRunner(fwd, [1, 2, 4, 8, 16, 32, 64, 128], (256,), dtype=dtype, backend=be, warmup=1)
+
     def capture_ms():
-        r = CUDAGraphRunner(fwd, [1, 2, 4, 8, 16, 32, 64, 128], (256,), dtype=dtype, backend=be, warmup=1)
+        r = runner()
+        gc.collect()
         r.capture()
-        ms = r.stats.capture_ms
-        step = timeit(be, lambda: r.run(x), 200 if be.name == "cuda" else 10, reps=3)[0]
         r.release()
-        return ms, step
+        return r.stats.capture_ms
+
+    def step_us():
+        r = runner()
+        r.capture()
+        us = timeit(be, lambda: r.run(x), 200 if be.name == "cuda" else 10, reps=3)[0]
+        r.release()
+        return us
 
     def capture_only():
-        r = CUDAGraphRunner(fwd, [1, 2, 4, 8, 16, 32, 64, 128], (256,), dtype=dtype, backend=be, warmup=1)
+        r = runner()
         r.capture()
         r.release()
 
-    capture_ms()  # warm: lazy init and kernel selection out of the numbers
-    plain, watched, plain_step, watched_step = [], [], [], []
     self_s, graphs = 0.0, 0
 
-    def watched_once():
+    def sanitized(fn):
         nonlocal self_s, graphs
         with PoolSanitizer(be) as san:
-            ms, st = capture_ms()
+            out = fn()
         self_s += san.overhead_s
         graphs += 8
-        watched.append(ms)
-        watched_step.append(st)
+        return out
 
-    def plain_once():
-        ms, st = capture_ms()
-        plain.append(ms)
-        plain_step.append(st)
+    def paired(fn, n):
+        plain, watched = [], []
+        for i in range(n):  # ABBA: neither side always runs first
+            if i % 2 == 0:
+                plain.append(fn())
+                watched.append(sanitized(fn))
+            else:
+                watched.append(sanitized(fn))
+                plain.append(fn())
+        return plain, watched
 
-    for i in range(rounds):  # ABBA: neither side always runs first
-        first, second = (plain_once, watched_once) if i % 2 == 0 else (watched_once, plain_once)
-        first()
-        second()
+    capture_ms(), step_us(), sanitized(capture_ms)  # warm: lazy init and kernel selection out of the numbers
+    self_s, graphs = 0.0, 0
+    plain, watched = paired(capture_ms, rounds)
+    wrapper_us = self_s / graphs * 1e6
+    plain_step, watched_step = paired(step_us, step_rounds)
     p, w = statistics.median(plain), statistics.median(watched)
     ps, ws = statistics.median(plain_step), statistics.median(watched_step)
-    return {"profile_top": sanitized_profile(be, capture_only), "capture_ms": p, "capture_ms_sanitized": w, "capture_overhead": w / p - 1, "target_capture_overhead": 0.05,
-            "wrapper_us_per_capture": self_s / graphs * 1e6, "wrapper_share_of_capture": self_s / graphs * 8e3 / p,
+    ratios = sorted(b / a for a, b in zip(plain, watched))
+    q = len(ratios) // 4
+    return {"profile_top": sanitized_profile(be, capture_only), "rounds": rounds,
+            "capture_ms": p, "capture_ms_sanitized": w,
+            "capture_overhead": statistics.median(ratios) - 1, "target_capture_overhead": 0.05,
+            "capture_overhead_iqr": [ratios[q] - 1, ratios[-q - 1] - 1],
+            "capture_overhead_of_medians": w / p - 1,
+            "wrapper_us_per_capture": wrapper_us, "wrapper_share_of_capture": wrapper_us * 8e-3 / p,
             "step_us": ps, "step_us_sanitized": ws, "step_ratio": ws / ps,
             "capture_spread_ms": [min(plain), max(plain)], "capture_spread_sanitized_ms": [min(watched), max(watched)]}
 
@@ -302,7 +328,7 @@ def main():
     out["step"] = bench_step(be, iters)
     out["memory"] = bench_memory(be)
     out["release"] = bench_release(be)
-    out["sanitizer"] = bench_sanitizer(be)
+    out["sanitizer"] = bench_sanitizer(be) if be.name == "cuda" else bench_sanitizer(be, rounds=20, step_rounds=2)
     emit(out, a.json)
 
 

@@ -83,32 +83,45 @@ def _stack(skip: int = 2) -> _Stack:
     return _Stack()
 
 
-@dataclass
+@dataclass(slots=True)
 class PoolEntry:
     pool_id: PoolId
     device: int
     minted_at: _Stack | str | None = None
-    device_count: int = 0
-    host_count: int = 0
+    held: int = 0  # references held by captured graphs: the host allocator counts only these
+    device_extra: int = 0  # MemPool objects alive, minus references given back by hand (device only)
     device_alive: bool = False  # the device allocator has books for it
     host_alive: bool = False  # the host allocator's ledger has the id
-    captures: int = 0
-    graphs: list[int] = field(default_factory=list)
+    graphs: list[GraphEntry] = field(default_factory=list)
     released_at: _Stack | str | None = None
+
+    @property
+    def device_count(self) -> int:
+        return self.held + self.device_extra
+
+    @property
+    def host_count(self) -> int:
+        return self.held
+
+    @property
+    def captures(self) -> int:
+        return len(self.graphs)
 
     @property
     def dead(self) -> bool:
         return (self.device_count == 0 and self.device_alive) or (self.host_count == 0 and self.host_alive)
 
 
-@dataclass
+@dataclass(slots=True, eq=False)
 class GraphEntry:
     gid: int
     pool_id: PoolId | None  # None until capture_end for a capture without a pool argument
     device: int
     captured_at: _Stack
+    owner: Any  # the sanitizer that made it: a graph may carry an earlier sanitizer's tag
     captured: bool = False  # capture_end succeeded: reset() gives the references back
     alive: bool = True
+    ref: Any = None  # weakref to the graph, whose callback sees its destruction
 
 
 @dataclass(frozen=True)
@@ -184,11 +197,11 @@ class PoolSanitizer:
         self._lock = threading.RLock()
         self._pools: dict[tuple[int, PoolId], PoolEntry] = {}
         self._minted: dict[PoolId, _Stack] = {}
+        self._dead: dict[tuple[int, PoolId], PoolEntry] = {}  # kept current, so a capture checks one dict
         self._graphs: dict[int, GraphEntry] = {}
         self._gids = itertools.count(1)
-        self._gid_of: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graphs that take no attribute
-        self._token = object()  # tells this sanitizer's tags on graphs from an earlier one's
-        self._graph_refs: dict[int, weakref.ref] = {}
+        self._entry_of: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graphs that take no attribute
+        self._refs: dict[int, GraphEntry] = {}  # id(weakref) -> the entry of the graph it watches
         self._saved: list[tuple[Any, str, Any]] = []
         self.stale_caught = 0
         self.overhead_s = 0.0  # time spent in the capture wrappers themselves (bench/ reports it)
@@ -243,6 +256,9 @@ class PoolSanitizer:
         self.stop()
 
     # ledger -------------------------------------------------------------------------------------------
+    # Every mutation goes through _restate, so _dead always lists exactly the dead pools: the capture path
+    # then checks one dict, and does the rest of its bookkeeping inline (capture time has a 5 % budget, and
+    # each extra call or object costs about a microsecond there, measured in bench/).
     def _entry(self, pool_id: PoolId, device: int) -> PoolEntry:
         key = (device, tuple(pool_id))
         e = self._pools.get(key)
@@ -250,40 +266,43 @@ class PoolSanitizer:
             e = self._pools[key] = PoolEntry(tuple(pool_id), device, minted_at=self._minted.get(tuple(pool_id)))
         return e
 
+    def _restate(self, e: PoolEntry) -> None:
+        if e.dead:
+            self._dead[(e.device, e.pool_id)] = e
+        else:
+            self._dead.pop((e.device, e.pool_id), None)
+
+    def _hold(self, g: GraphEntry) -> None:
+        e = self._entry(g.pool_id, g.device)
+        e.device_alive = e.host_alive = True
+        e.held += 1
+        e.graphs.append(g)
+        self._restate(e)
+
     def _release(self, g: GraphEntry) -> None:
         e = self._entry(g.pool_id, g.device)
-        e.device_count -= 1
-        e.host_count -= 1
+        e.held -= 1
         if e.device_count == 0 or e.host_count == 0:
             e.released_at = _stack(3)
+        self._restate(e)
 
-    # A graph's ledger id rides on the graph itself (a WeakKeyDictionary lookup costs more, and capture
-    # time is measured against a 5% budget); its death is seen through a weakref callback.
-    def _gid(self, graph: Any) -> int | None:
-        tag = getattr(graph, _TAG, None)
-        if tag is not None and tag[0] is self._token:
-            return tag[1]
-        return self._gid_of.get(graph)
+    def _ref_gone(self, ref: Any) -> None:
+        g = self._refs.pop(id(ref), None)
+        if g is not None:
+            self._graph_gone(g)
 
-    def _tag(self, graph: Any, gid: int) -> None:
-        try:
-            setattr(graph, _TAG, (self._token, gid))
-        except AttributeError:
-            self._gid_of[graph] = gid
-        self._graph_refs[gid] = weakref.ref(graph, functools.partial(self._ref_gone, gid))
-
-    def _ref_gone(self, gid: int, _ref: Any) -> None:
-        self._graph_refs.pop(gid, None)
-        self._graph_gone(gid)
-
-    def _graph_gone(self, gid: int) -> None:
+    def _graph_gone(self, g: GraphEntry) -> None:
         with self._lock:
-            g = self._graphs.get(gid)
-            if g is not None and g.alive:
+            if g.alive:
                 g.alive = False
                 if g.captured:
                     self._release(g)
                     g.captured = False
+
+    def _entry_of_graph(self, graph: Any) -> GraphEntry | None:
+        d = getattr(graph, "__dict__", None)
+        g = d.get(_TAG) if d is not None else self._entry_of.get(graph)
+        return g if g is not None and g.owner is self else None
 
     def _check_stale(self, pool_id: PoolId, device: int) -> None:
         e = self._pools.get((device, tuple(pool_id)))
@@ -324,58 +343,77 @@ class PoolSanitizer:
 
     def _wrap_begin(self, original):
         san = self
+        be = self.backend
+        sim = be.name == "sim"
+        if sim:
+            def device_now():
+                return be._current_stream.device
+        else:
+            import torch
+
+            device_now = torch._C._cuda_getDevice  # the capture is underway: CUDA is initialized
+        clock, lock, pools, dead, graphs, gids = time.perf_counter, self._lock, self._pools, self._dead, \
+            self._graphs, self._gids
 
         @functools.wraps(original)
         def capture_begin(graph, *args, **kwargs):
-            if not san._t.owns(graph):
+            if sim and graph._backend is not be:  # sim classes are shared by every SimBackend
                 return original(graph, *args, **kwargs)
-            t0 = time.perf_counter()
+            t0 = clock()
             pool = kwargs.get("pool", args[0] if args else None)
-            pool = None if pool is None or tuple(pool) == (0, 0) else tuple(pool)
-            device = san._t.device_of_capture()
             if pool is not None:
-                with san._lock:
+                pool = tuple(pool)
+                if pool == (0, 0):
+                    pool = None
+            device = device_now()
+            if dead and pool is not None and (device, pool) in dead:
+                with lock:
                     san._check_stale(pool, device)
-            t1 = time.perf_counter()
+            t1 = clock()
             original(graph, *args, **kwargs)
-            t2 = time.perf_counter()
-            with san._lock:
-                gid = next(san._gids)
-                g = san._graphs[gid] = GraphEntry(gid, pool, device, _stack(2))
+            t2 = clock()
+            at = _Stack()
+            with lock:
+                g = GraphEntry(next(gids), pool, device, at, san)
+                graphs[g.gid] = g
                 if pool is not None:  # the capture holds its references from now on, even if it fails
-                    san._hold(g)
-                old = san._gid(graph)
-                if old is not None:
-                    san._graphs[old].alive = False
-                san._tag(graph, gid)
-                san.overhead_s += t1 - t0 + time.perf_counter() - t2
+                    e = pools.get((device, pool))
+                    if e is None or not (e.device_alive and e.host_alive):
+                        san._hold(g)
+                    else:  # a pool that is alive and takes another graph cannot be dead
+                        e.held += 1
+                        e.graphs.append(g)
+                d = getattr(graph, "__dict__", None)
+                if d is not None:
+                    old = d.get(_TAG)
+                    d[_TAG] = g
+                else:
+                    old = san._entry_of.get(graph)
+                    san._entry_of[graph] = g
+                if old is not None and old.owner is san:
+                    old.alive = False
+                r = g.ref = weakref.ref(graph, san._ref_gone)
+                san._refs[id(r)] = g
+                san.overhead_s += t1 - t0 + clock() - t2
 
         return capture_begin
 
-    def _hold(self, g: GraphEntry) -> None:
-        e = self._entry(g.pool_id, g.device)
-        e.device_alive = e.host_alive = True
-        e.device_count += 1
-        e.host_count += 1
-        e.captures += 1
-        e.graphs.append(g.gid)
-
     def _wrap_end(self, original):
         san = self
+        clock = time.perf_counter
 
         @functools.wraps(original)
         def capture_end(graph, *args, **kwargs):
             original(graph, *args, **kwargs)  # on failure the graph keeps its references through reset
-            t0 = time.perf_counter()
-            gid = san._gid(graph) if san._t.owns(graph) else None
-            if gid is not None:
+            t0 = clock()
+            g = san._entry_of_graph(graph)
+            if g is not None:
                 with san._lock:
-                    g = san._graphs[gid]
                     if g.pool_id is None:  # a graph-minted pool: its id is readable only now
                         g.pool_id = tuple(graph.pool())
                         san._hold(g)
                     g.captured = True
-                    san.overhead_s += time.perf_counter() - t0
+                    san.overhead_s += clock() - t0
 
         return capture_end
 
@@ -385,10 +423,9 @@ class PoolSanitizer:
         @functools.wraps(original)
         def reset(graph, *args, **kwargs):
             out = original(graph, *args, **kwargs)
-            gid = san._gid(graph) if san._t.owns(graph) else None
-            if gid is not None:
+            g = san._entry_of_graph(graph)
+            if g is not None:
                 with san._lock:
-                    g = san._graphs[gid]
                     if g.captured:
                         g.captured = False
                         san._release(g)
@@ -413,7 +450,8 @@ class PoolSanitizer:
                 e = san._entry(pid, device)
                 e.minted_at = san._minted[pid]
                 e.device_alive = True
-                e.device_count += 1
+                e.device_extra += 1
+                san._restate(e)
             weakref.finalize(mp, san._mempool_gone, pid, device)
 
         return __init__
@@ -421,9 +459,10 @@ class PoolSanitizer:
     def _mempool_gone(self, pid: PoolId, device: int) -> None:
         with self._lock:
             e = self._entry(pid, device)
-            e.device_count -= 1
+            e.device_extra -= 1
             if e.device_count == 0:
                 e.released_at = "(the MemPool object was destroyed)\n"
+            self._restate(e)
 
     def _wrap_empty_cache(self, original):
         san = self
@@ -438,6 +477,7 @@ class PoolSanitizer:
                     if e.device_count == 0 and e.device_alive:
                         if san.backend.pool_state(e.pool_id, e.device).reserved_bytes == 0:
                             e.device_alive = False
+                            san._restate(e)
             return out
 
         return empty_cache
@@ -456,9 +496,10 @@ class PoolSanitizer:
                 return out
             with san._lock:  # a reference given back by hand (a failed capture's, see CUDAGraphRunner)
                 e = san._entry(pid, device)
-                e.device_count -= 1
+                e.device_extra -= 1
                 if e.device_count == 0:
                     e.released_at = _stack(2)
+                san._restate(e)
             return out
 
         return release_pool
@@ -475,6 +516,7 @@ class PoolSanitizer:
                 for e in san._pools.values():
                     if e.host_count == 0:
                         e.host_alive = False
+                        san._restate(e)
             return out
 
         return host_empty_cache
@@ -524,7 +566,7 @@ class PoolSanitizer:
                                        f"a graph captured into pool {g.pool_id} was never reset", (str(g.captured_at),)))
             for e in self._pools.values():
                 st = self.backend.pool_state(e.pool_id, e.device)
-                live_graphs = any(self._graphs[i].alive and self._graphs[i].captured for i in e.graphs)
+                live_graphs = any(g.alive and g.captured for g in e.graphs)
                 if e.device_count == 0 and st.allocated_bytes:  # free segments alone go at empty_cache
                     out.append(Finding(
                         "pinned_pool", e.pool_id, e.device, st.reserved_bytes,
