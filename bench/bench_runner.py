@@ -217,12 +217,13 @@ def bench_release(be):
             "target_runner_bytes_after_release": 0}
 
 
-def bench_sanitizer(be, rounds=100, step_rounds=10):
+def bench_sanitizer(be, rounds=200, step_rounds=10):
     """Capture time of a runner (8 batch sizes) and replay time, with and without the pool sanitizer.
 
     Paired rounds in ABBA order, a full collection before each capture (so a gen-2 GC lands in neither
-    side by chance); the overhead is the median of the per-round ratios, which cancels the host's drift,
-    with its interquartile range. The sanitizer's own time inside its wrappers is summed as well.
+    side by chance). One round's ratio spreads over +-10 % on the H200's host, so the overhead is the
+    median of 200 per-round ratios, with its distribution-free 95 % interval and the interquartile range.
+    The sanitizer's own time inside its wrappers is summed as well.
     """
     import gc
 
@@ -284,10 +285,14 @@ def bench_sanitizer(be, rounds=100, step_rounds=10):
     p, w = statistics.median(plain), statistics.median(watched)
     ps, ws = statistics.median(plain_step), statistics.median(watched_step)
     ratios = sorted(b / a for a, b in zip(plain, watched))
-    q = len(ratios) // 4
+    n = len(ratios)
+    q = n // 4
+    half = 0.98 * n**0.5  # distribution-free 95 % interval of a median: ranks n/2 -+ 1.96 sqrt(n)/2
+    lo, hi = max(0, int(n / 2 - half)), min(n - 1, int(n / 2 + half + 0.999))
     return {"profile_top": sanitized_profile(be, capture_only), "rounds": rounds,
             "capture_ms": p, "capture_ms_sanitized": w,
             "capture_overhead": statistics.median(ratios) - 1, "target_capture_overhead": 0.05,
+            "capture_overhead_ci95": [ratios[lo] - 1, ratios[hi] - 1],
             "capture_overhead_iqr": [ratios[q] - 1, ratios[-q - 1] - 1],
             "capture_overhead_of_medians": w / p - 1,
             "wrapper_us_per_capture": wrapper_us, "wrapper_share_of_capture": wrapper_us * 8e-3 / p,

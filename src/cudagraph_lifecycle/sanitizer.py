@@ -408,12 +408,12 @@ class PoolSanitizer:
             t0 = clock()
             g = san._entry_of_graph(graph)
             if g is not None:
-                with san._lock:
-                    if g.pool_id is None:  # a graph-minted pool: its id is readable only now
+                if g.pool_id is None:  # a graph-minted pool: its id is readable only now
+                    with san._lock:
                         g.pool_id = tuple(graph.pool())
                         san._hold(g)
-                    g.captured = True
-                    san.overhead_s += clock() - t0
+                g.captured = True  # one store: needs no lock
+                san.overhead_s += clock() - t0
 
         return capture_end
 
