@@ -50,28 +50,35 @@ def _line_of(code, lasti: int) -> int:
     return code.co_firstlineno
 
 
+_DEPTH = 12  # frames kept per stack
+
+
 class _Stack:
-    """A call stack taken cheaply, formatted when shown: code objects and instruction offsets only (no line
-    number decoded, no source read, no frame kept alive). Captures are timed, and this runs at each one."""
+    """A call stack taken cheaply, formatted when shown: code objects and instruction offsets only, flat
+    (code, offset, code, offset, ...): no line number decoded, no source read, no frame kept alive, one
+    object. Captures are timed, and the capture path builds this list inline."""
 
     __slots__ = ("_frames", "_text")
 
-    def __init__(self, limit: int = 12):
-        frames = []
-        f = sys._getframe(2)
-        while f is not None and len(frames) < limit:
-            frames.append((f.f_code, f.f_lasti))
-            f = f.f_back
+    def __init__(self, frames: list | None = None):
+        if frames is None:
+            frames = []
+            f = sys._getframe(2)
+            while f is not None and len(frames) < 2 * _DEPTH:
+                frames.append(f.f_code)
+                frames.append(f.f_lasti)
+                f = f.f_back
         self._frames = frames
         self._text: str | None = None
 
     def __str__(self) -> str:
         if self._text is None:
+            fr = self._frames
             keep = [
                 traceback.FrameSummary(code.co_filename, _line_of(code, lasti), code.co_name)
-                for code, lasti in reversed(self._frames)
+                for code, lasti in reversed(list(zip(fr[0::2], fr[1::2])))
                 if "cudagraph_lifecycle/sanitizer" not in code.co_filename
-            ][-12:]
+            ][-_DEPTH:]
             self._text = "".join(traceback.format_list(keep))
         return self._text
 
@@ -117,11 +124,15 @@ class GraphEntry:
     gid: int
     pool_id: PoolId | None  # None until capture_end for a capture without a pool argument
     device: int
-    captured_at: _Stack
+    frames: list  # where it was captured, as _Stack keeps it
     owner: Any  # the sanitizer that made it: a graph may carry an earlier sanitizer's tag
     captured: bool = False  # capture_end succeeded: reset() gives the references back
     alive: bool = True
     ref: Any = None  # weakref to the graph, whose callback sees its destruction
+
+    @property
+    def captured_at(self) -> _Stack:
+        return _Stack(self.frames)
 
 
 @dataclass(frozen=True)
@@ -354,13 +365,14 @@ class PoolSanitizer:
             device_now = torch._C._cuda_getDevice  # the capture is underway: CUDA is initialized
         clock, lock, pools, dead, graphs, gids = time.perf_counter, self._lock, self._pools, self._dead, \
             self._graphs, self._gids
+        getframe, depth2 = sys._getframe, 2 * _DEPTH
 
         @functools.wraps(original)
-        def capture_begin(graph, *args, **kwargs):
+        def capture_begin(graph, pool=None, *args, **kwargs):  # no **kwargs dict for the common call
             if sim and graph._backend is not be:  # sim classes are shared by every SimBackend
-                return original(graph, *args, **kwargs)
+                return original(graph, pool, *args, **kwargs)
             t0 = clock()
-            pool = kwargs.get("pool", args[0] if args else None)
+            given = pool  # the original gets the caller's object untouched
             if pool is not None:
                 pool = tuple(pool)
                 if pool == (0, 0):
@@ -370,11 +382,16 @@ class PoolSanitizer:
                 with lock:
                     san._check_stale(pool, device)
             t1 = clock()
-            original(graph, *args, **kwargs)
+            original(graph, given, *args, **kwargs)
             t2 = clock()
-            at = _Stack()
+            frames = []  # _Stack's list, built here: one object, no call
+            f = getframe(1)
+            while f is not None and len(frames) < depth2:
+                frames.append(f.f_code)
+                frames.append(f.f_lasti)
+                f = f.f_back
             with lock:
-                g = GraphEntry(next(gids), pool, device, at, san)
+                g = GraphEntry(next(gids), pool, device, frames, san)
                 graphs[g.gid] = g
                 if pool is not None:  # the capture holds its references from now on, even if it fails
                     e = pools.get((device, pool))
