@@ -219,3 +219,64 @@ def test_sanitizer_follows_the_runner_giving_back_a_failed_capture_reference(sim
     (_, pid), = r.pool_ids
     assert r.release().clean
     assert san.use_count(pid) == 0 and san.findings() == []
+
+
+def _would_assert(be, pool_id, device=0):
+    """The simulated allocator's own verdict on a capture into pool_id (its books, read before the call)."""
+    pool = be._pools.get((device, tuple(pool_id)))
+    return (pool is not None and pool.use_count <= 0) or be._host_pools.get(tuple(pool_id), 1) <= 0
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_sanitizer_verdict_equals_the_allocator_on_random_lifecycles(seed):
+    """Random mints, captures, resets, drops, cache flushes and MemPools: the sanitizer raises exactly when the
+    allocator would assert, the process is never poisoned, and its dead-pool index (which the capture path
+    reads instead of the ledger) always equals the ledger's verdict."""
+    import random
+
+    rnd = random.Random(seed)
+    be = SimBackend()
+    c = Ctx(be)
+    handles, graphs, outputs, mempools = [], [], [], []
+    stale = legal = 0
+    with PoolSanitizer(be) as san:
+        for _ in range(80):
+            op = rnd.choice(["mint", "capture", "capture", "capture", "reset", "drop_graph", "drop_output",
+                             "empty_cache", "host_empty_cache", "mempool", "drop_mempool"])
+            if op == "mint" or (op == "capture" and not handles):
+                handles.append(be.graph_pool_handle())
+            elif op == "capture":
+                h = rnd.choice(handles)
+                would = _would_assert(be, h)
+                g = be.new_graph()
+                try:
+                    y = c.step(g, h)
+                except StalePoolError:
+                    assert would, "the sanitizer refused a capture the allocator accepts"
+                    stale += 1
+                else:
+                    assert not would, "the allocator would have asserted: the sanitizer missed a stale pool"
+                    legal += 1
+                    graphs.append(g)
+                    if rnd.random() < 0.5:
+                        outputs.append(y)
+                    del y
+                del g
+            elif op == "reset" and graphs:
+                rnd.choice(graphs).reset()
+            elif op == "drop_graph" and graphs:
+                graphs.pop(rnd.randrange(len(graphs)))
+            elif op == "drop_output" and outputs:
+                outputs.pop(rnd.randrange(len(outputs)))
+            elif op == "empty_cache":
+                be.empty_cache()
+            elif op == "host_empty_cache":
+                be.host_empty_cache()
+            elif op == "mempool":
+                mempools.append(be.mempool())
+                handles.append(mempools[-1].id)
+            elif op == "drop_mempool" and mempools:
+                mempools.pop(rnd.randrange(len(mempools)))
+            assert be.poisoned is None
+            assert set(san._dead) == {k for k, e in san._pools.items() if e.dead}, op
+    assert legal > 0

@@ -19,14 +19,17 @@ POOL_FIGURES = ("largest_alone_mib", "shared_largest_first_mib", "shared_smalles
 
 
 def recorded_models():
-    """(run, model name, figures) from every committed GPU run that recorded its models' parameters."""
-    out = []
+    """(runs, model name, figures) from the committed GPU runs that recorded their models' parameters; runs
+    with the same model and the same figures share one case (each costs a full simulated capture set)."""
+    cases: dict[str, tuple[list[str], str, dict]] = {}
     for path in sorted(glob.glob(os.path.join(ROOT, "docs", "gpu-results", "*", "bench-runner.json"))):
         mem = json.load(open(path)).get("memory", {})
         for name, fig in mem.items():
             if isinstance(fig, dict) and "sizes" in fig and "hidden" in fig:
-                out.append((os.path.basename(os.path.dirname(path)), name, fig))
-    return out
+                params = {k: fig.get(k) for k in ("sizes", "hidden", "ffn", "dtype", *POOL_FIGURES)}
+                key = json.dumps([name, params], sort_keys=True)
+                cases.setdefault(key, ([], name, fig))[0].append(os.path.basename(os.path.dirname(path)))
+    return [("+".join(runs), name, fig) for runs, name, fig in cases.values()]
 
 
 MODELS = recorded_models()
