@@ -243,9 +243,9 @@ class PoolSanitizer:
         self._patch(t.graph_cls, "reset", self._wrap_reset)
         if t.mempool_cls is not None:
             self._patch(t.mempool_cls, "__init__", self._wrap_mempool_init)
-        self._patch(t.empty_owner, t.empty_name, self._wrap_empty_cache)
+        self._patch(t.empty_owner, t.empty_name, lambda f: self._wrap_flush(f, self._device_erased))
         if hasattr(t.host_owner, t.host_name):
-            self._patch(t.host_owner, t.host_name, self._wrap_host_empty_cache)
+            self._patch(t.host_owner, t.host_name, lambda f: self._wrap_flush(f, self._host_erased))
         if hasattr(t.release_owner, t.release_name):
             self._patch(t.release_owner, t.release_name, self._wrap_release_pool)
         self.active = True
@@ -481,23 +481,36 @@ class PoolSanitizer:
                 e.released_at = "(the MemPool object was destroyed)\n"
             self._restate(e)
 
-    def _wrap_empty_cache(self, original):
+    def _wrap_flush(self, original, forget):
+        """A cache flush (device ``empty_cache`` or the host's): afterwards ``forget(e)`` says, per pool, whether
+        that allocator erased it, so its id may be created afresh."""
         san = self
 
         @functools.wraps(original)
-        def empty_cache(*args, **kwargs):
+        def flush(*args, **kwargs):
             out = original(*args, **kwargs)
             if san.backend.name == "sim" and not (args and args[0] is san.backend):
                 return out
             with san._lock:
                 for e in san._pools.values():
-                    if e.device_count == 0 and e.device_alive:
-                        if san.backend.pool_state(e.pool_id, e.device).reserved_bytes == 0:
-                            e.device_alive = False
-                            san._restate(e)
+                    if forget(e):
+                        san._restate(e)
             return out
 
-        return empty_cache
+        return flush
+
+    def _device_erased(self, e: PoolEntry) -> bool:
+        if e.device_count == 0 and e.device_alive and self.backend.pool_state(e.pool_id, e.device).reserved_bytes == 0:
+            e.device_alive = False
+            return True
+        return False
+
+    @staticmethod
+    def _host_erased(e: PoolEntry) -> bool:
+        if e.host_count == 0 and e.host_alive:
+            e.host_alive = False
+            return True
+        return False
 
     def _wrap_release_pool(self, original):
         san = self
@@ -520,23 +533,6 @@ class PoolSanitizer:
             return out
 
         return release_pool
-
-    def _wrap_host_empty_cache(self, original):
-        san = self
-
-        @functools.wraps(original)
-        def host_empty_cache(*args, **kwargs):
-            out = original(*args, **kwargs)
-            if san.backend.name == "sim" and not (args and args[0] is san.backend):
-                return out
-            with san._lock:
-                for e in san._pools.values():
-                    if e.host_count == 0:
-                        e.host_alive = False
-                        san._restate(e)
-            return out
-
-        return host_empty_cache
 
     # findings -----------------------------------------------------------------------------------------
     def use_count(self, pool_id: PoolId, device: int = 0) -> int | None:
