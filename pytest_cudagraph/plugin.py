@@ -248,9 +248,28 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
         fresh = sum(1 for _, c in rows if c.get("fresh"))
         tr.write_line(f"{len(rows)} engine cycles, {fresh} fresh, {len(rows) - fresh} not fresh; "
                       f"backend {s['effective_backend']}")
+    _write_findings(terminalreporter, state, rows)
     if s.get("report"):
         _write_report(config, s, state, exitstatus)
         terminalreporter.write_line(f"cudagraph report: {s['report']}")
+
+
+def _write_findings(tr, state: dict, rows: list[tuple[str, dict]]) -> None:
+    """The sanitizer's findings, in the test process and in the workers' engine cycles (``on`` mode reports
+    them here and in the JSON; ``strict`` also fails the test)."""
+    found = [(t["nodeid"], f) for t in state["tests"].values() for f in t.get("sanitizer") or []]
+    found += [(nodeid, f) for nodeid, c in rows for f in c.get("sanitizer") or []]
+    if not found:
+        return
+    tr.section("cudagraph sanitizer")
+    for nodeid, f in found:
+        tr.write_line(f"{nodeid}: {f['kind']}: pool {tuple(f['pool_id'])} on device {f['device']}, "
+                      f"{f['bytes']} bytes: {f['message']}")
+        for stack in f.get("stacks") or []:
+            lines = stack.rstrip().splitlines()
+            for line in lines[-4:]:  # the innermost frames; the JSON keeps the whole stack
+                tr.write_line(f"    {line}")
+    tr.write_line(f"{len(found)} sanitizer finding(s)")
 
 
 def _write_report(config: pytest.Config, s: dict, state: dict, exitstatus: int) -> None:

@@ -297,9 +297,13 @@ def test_sanitizer_findings_in_report_and_strict(pytester):
             test_leaves_a_graph.keep = (g, y)
     ''')
     report = pytester.path / "r.json"
-    run(pytester, f"--cudagraph-report={report}").assert_outcomes(passed=1)
+    res = run(pytester, f"--cudagraph-report={report}")
+    res.assert_outcomes(passed=1)
     (t,) = json.loads(report.read_text())["tests"]
     assert t["sanitizer"][0]["kind"] == "unreleased_graph"
+    res.stdout.fnmatch_lines(["*= cudagraph sanitizer =*",
+                              "test_a.py::test_leaves_a_graph: unreleased_graph: pool (*) on device 0*never reset",
+                              "*test_a.py*in test_leaves_a_graph*", "1 sanitizer finding(s)"])
     res = run(pytester, "--cudagraph-sanitize=strict")
     res.assert_outcomes(passed=1, errors=1)
     res.stdout.fnmatch_lines(["*pool sanitizer findings*", "*unreleased_graph*"])
