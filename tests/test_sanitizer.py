@@ -280,3 +280,21 @@ def test_sanitizer_verdict_equals_the_allocator_on_random_lifecycles(seed):
             assert be.poisoned is None
             assert set(san._dead) == {k for k, e in san._pools.items() if e.dead}, op
     assert legal > 0
+
+
+def test_sanitizer_forgets_destroyed_graphs(sim):
+    """A process-wide sanitizer lives as long as a server: destroyed graphs must not pile up in its ledger."""
+    be, san, c = sim
+    h = be.graph_pool_handle()
+    keep = be.new_graph()
+    y = c.step(keep, h)  # one graph stays alive and captured
+    for _ in range(50):
+        g = be.new_graph()
+        c.step(g, h)
+        g.reset()
+        del g
+    (row,) = san.ledger()
+    assert row["captures"] == 51 and row["use_count"] == 1
+    assert len(san._graphs) == 1 and len(san._refs) == 1  # only the live graph is remembered
+    del keep, y
+    assert san._graphs == {} and san.findings() == []

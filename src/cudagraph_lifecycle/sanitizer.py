@@ -99,7 +99,8 @@ class PoolEntry:
     device_extra: int = 0  # MemPool objects alive, minus references given back by hand (device only)
     device_alive: bool = False  # the device allocator has books for it
     host_alive: bool = False  # the host allocator's ledger has the id
-    graphs: list[GraphEntry] = field(default_factory=list)
+    captures: int = 0
+    graphs: dict[int, GraphEntry] = field(default_factory=dict)  # its graphs still alive, by ledger id
     released_at: _Stack | str | None = None
 
     @property
@@ -109,10 +110,6 @@ class PoolEntry:
     @property
     def host_count(self) -> int:
         return self.held
-
-    @property
-    def captures(self) -> int:
-        return len(self.graphs)
 
     @property
     def dead(self) -> bool:
@@ -287,7 +284,8 @@ class PoolSanitizer:
         e = self._entry(g.pool_id, g.device)
         e.device_alive = e.host_alive = True
         e.held += 1
-        e.graphs.append(g)
+        e.captures += 1
+        e.graphs[g.gid] = g
         self._restate(e)
 
     def _release(self, g: GraphEntry) -> None:
@@ -309,6 +307,13 @@ class PoolSanitizer:
                 if g.captured:
                     self._release(g)
                     g.captured = False
+            # a destroyed graph leaves nothing to report: forget it, so a long-lived sanitizer
+            # (CUDAGRAPH_SANITIZE=1 on a server that reloads models) does not grow with every capture
+            self._graphs.pop(g.gid, None)
+            if g.pool_id is not None:
+                e = self._pools.get((g.device, g.pool_id))
+                if e is not None:
+                    e.graphs.pop(g.gid, None)
 
     def _entry_of_graph(self, graph: Any) -> GraphEntry | None:
         d = getattr(graph, "__dict__", None)
@@ -399,7 +404,8 @@ class PoolSanitizer:
                         san._hold(g)
                     else:  # a pool that is alive and takes another graph cannot be dead
                         e.held += 1
-                        e.graphs.append(g)
+                        e.captures += 1
+                        e.graphs[g.gid] = g
                 d = getattr(graph, "__dict__", None)
                 if d is not None:
                     old = d.get(_TAG)
@@ -579,7 +585,7 @@ class PoolSanitizer:
                                        f"a graph captured into pool {g.pool_id} was never reset", (str(g.captured_at),)))
             for e in self._pools.values():
                 st = self.backend.pool_state(e.pool_id, e.device)
-                live_graphs = any(g.alive and g.captured for g in e.graphs)
+                live_graphs = any(g.alive and g.captured for g in e.graphs.values())
                 if e.device_count == 0 and st.allocated_bytes:  # free segments alone go at empty_cache
                     out.append(Finding(
                         "pinned_pool", e.pool_id, e.device, st.reserved_bytes,
