@@ -49,6 +49,19 @@ def run(pytester, *args):
     return pytester.runpytest_subprocess("-p", "cudagraph", "-p", "no:cacheprovider", *args)
 
 
+def run_failing_sequence(pytester, call):
+    """One test running ``engine_sequence(<call>)`` with an engine of engines_mod that must fail it."""
+    factory = call.split(",")[0]
+    pytester.makepyfile(test_a=f'''
+        from engines_mod import {factory}
+        def test_seq(engine_sequence):
+            engine_sequence({call})
+    ''')
+    res = run(pytester)
+    res.assert_outcomes(failed=1)
+    return res
+
+
 def test_engine_sequence_summary_and_report(pytester):
     pytester.makepyfile(test_a='''
         from engines_mod import good
@@ -107,13 +120,7 @@ def test_worker_crash_fails_only_that_test(pytester, where):
 
 
 def test_crash_inside_engine_sequence_is_reported(pytester):
-    pytester.makepyfile(test_a='''
-        from engines_mod import crash_in_capture
-        def test_seq(engine_sequence):
-            engine_sequence(crash_in_capture, 2)
-    ''')
-    res = run(pytester)
-    res.assert_outcomes(failed=1)
+    res = run_failing_sequence(pytester, "crash_in_capture, 2")
     res.stdout.fnmatch_lines(["*EngineCycleError: engine 0 of the sequence failed*SIGABRT*", "*NO*",
                               "*WorkerCrashed*"])
 
@@ -130,13 +137,7 @@ def test_timeout(pytester):
 
 
 def test_leaky_engine_is_not_fresh(pytester):
-    pytester.makepyfile(test_a='''
-        from engines_mod import leaky
-        def test_seq(engine_sequence):
-            engine_sequence(leaky, 2, hold_output=False)
-    ''')
-    res = run(pytester)
-    res.assert_outcomes(failed=1)
+    res = run_failing_sequence(pytester, "leaky, 2, hold_output=False")
     res.stdout.fnmatch_lines(["*not fresh*keeps a tensor from its pool alive*"])
 
 
@@ -332,11 +333,5 @@ def test_forked_where_it_works(pytester):
 
 
 def test_engine_that_never_releases(pytester):
-    pytester.makepyfile(test_a='''
-        from engines_mod import never_releases
-        def test_seq(engine_sequence):
-            engine_sequence(never_releases, 2)
-    ''')
-    res = run(pytester)
-    res.assert_outcomes(failed=1)
+    res = run_failing_sequence(pytester, "never_releases, 2")
     res.stdout.fnmatch_lines(["*not fresh*release() left pool * with use_count *a graph was not reset in release()*"])
