@@ -96,7 +96,7 @@ def engine_cycle(backend):
 
     from cudagraph_lifecycle.cycle import run_cycle
 
-    return run_cycle(make_mlp_engine, backend, 0, 1e-2, False).fresh
+    return not run_cycle(make_mlp_engine, backend, 0, 1e-2, "drop")[-1]["failed"]
 
 
 def per_engine_reused_s(backend, engines):

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from cudagraph_lifecycle.backends import Backend
+if TYPE_CHECKING:
+    from cudagraph_lifecycle.backends import Backend
 
 
 class EngineCycleError(AssertionError):
@@ -50,9 +51,11 @@ def assert_fresh_pool(backend: Backend, pool_id, previous: list | tuple = (), de
 
 
 def check_record(rec: dict) -> None:
-    """Raise :class:`EngineCycleError` if an engine cycle record is not fresh."""
-    if not rec.get("fresh"):
-        raise EngineCycleError(
-            f"engine {rec['index']} in worker pid {rec['pid']} (pools {rec['pool_ids']}) is not fresh: "
-            + "; ".join(rec.get("problems") or ["no reason recorded"])
-        )
+    """Raise :class:`EngineCycleError` if an engine cycle failed: its verdict and every problem, in full."""
+    if not rec.get("failed"):
+        return
+    who = f"worker pid {rec.get('pid')}" + (f", rank {rec['rank']}" if rec.get("rank") is not None else "")
+    pools = ", ".join(str(tuple(p[1])) for p in rec.get("pool_ids") or []) or "none observed"
+    problems = "\n".join(f"- {p['kind']}: {p['message']}" for p in rec.get("problems") or []) or "- (none recorded)"
+    raise EngineCycleError(
+        f"engine {rec['index']} is {rec.get('verdict', '?')} ({who}; pools {pools}):\n{problems}")

@@ -1,64 +1,65 @@
-"""Fixtures for engine authors: reused workers in three scopes, and engine sequences with fresh-pool checks."""
+"""Fixtures for engine authors: reused workers in three scopes, MPI ranks, engine sequences, and the
+sanitizer that watches ``cudagraph``-marked tests in this process."""
 
 from __future__ import annotations
 
 import json
-import os
-import re
-import tempfile
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 
-from cudagraph_lifecycle.cycle import drop_held, dump_memory_snapshot, run_cycle
-from cudagraph_lifecycle.errors import ConfigError
-
-from .assertions import EngineCycleError, check_record
-from .mpi import MPIRanks, RankError
-from .worker import RemoteError, ReusedWorker, WorkerCrashed, WorkerTimeout
+from .mpi import MPIRanks
+from .report import FINDINGS, STRICT_FAILURE
+from .sequence import EngineSequence
+from .settings import SETTINGS_KEY, effective_backend
+from .worker import ReusedWorker
 
 SCOPES = ("function", "module", "session")
-PROPERTY = "cudagraph_cycles"
+MARKER_KWARGS = ("n", "scope", "sanitize", "ranks")
 
 
 def _settings(config: pytest.Config) -> dict[str, Any]:
-    from .plugin import SETTINGS_KEY
-
     return config.stash[SETTINGS_KEY]
+
+
+def _worker_env(s: dict[str, Any], sanitize: str | None = None) -> dict[str, str]:
+    mode = sanitize or s["sanitize"]
+    if mode == "off":
+        return {}
+    return {"CUDAGRAPH_SANITIZE": mode, "CUDAGRAPH_SANITIZE_BACKEND": s["backend"]}
 
 
 def _new_worker(config: pytest.Config, name: str, sanitize: str | None = None) -> ReusedWorker:
     s = _settings(config)
-    env = _worker_env(s, sanitize)  # the worker installs a sanitizer on its (one) backend at start
-    return ReusedWorker(start_method=s["start_method"], timeout=s["timeout"] or None, name=name, env=env)
+    # the worker installs a sanitizer on its process's backend at start
+    return ReusedWorker(start_method=s["start_method"], timeout=s["timeout"] or None, name=name,
+                        env=_worker_env(s, sanitize))
 
 
 @pytest.fixture(autouse=True)
 def _cudagraph_sanitize(request: pytest.FixtureRequest):
-    """In ``cudagraph``-marked tests, watch this process's graph API; findings go to the report."""
+    """In ``cudagraph``-marked tests, watch this process's graph API from the test's first line (before it
+    touches CUDA: installing the watch initializes nothing); findings go to the report."""
     s = _settings(request.config)
     if s["sanitize"] == "off" or request.node.get_closest_marker("cudagraph") is None:
         yield
         return
-    from cudagraph_lifecycle.cycle import process_backend
+    from cudagraph_lifecycle.backends import get_backend
+    from cudagraph_lifecycle.ledger import ledger
     from cudagraph_lifecycle.sanitizer import PoolSanitizer
 
-    if s["effective_backend"] == "cuda":
-        import torch
-
-        if not torch.cuda.is_initialized():
-            yield  # the test keeps CUDA out of this process (its GPU work runs in workers)
-            return
-    san = PoolSanitizer(process_backend(s["effective_backend"]), mode=s["sanitize"]).start()
+    nodeid = request.node.nodeid
+    san = PoolSanitizer(get_backend(effective_backend(request.config)), mode=s["sanitize"], scope=nodeid).start()
     try:
-        yield san
+        with ledger.engine_scope(nodeid):
+            yield san
     finally:
         san.stop()
     found = san.findings()
     if found:
-        request.node.user_properties.append(("cudagraph_findings", json.dumps([f.as_dict() for f in found])))
+        request.node.user_properties.append((FINDINGS, json.dumps([f.as_dict() for f in found])))
     if found and s["sanitize"] == "strict":
+        request.node.user_properties.append((STRICT_FAILURE, "1"))
         pytest.fail("pool sanitizer findings:\n" + "\n".join(f"- {f.kind}: {f.message}" for f in found),
                     pytrace=False)
 
@@ -93,12 +94,6 @@ def cudagraph_session_worker(pytestconfig: pytest.Config):
     w.close()
 
 
-def _worker_env(s: dict[str, Any], sanitize: str | None = None) -> dict[str, str]:
-    if (sanitize or s["sanitize"]) == "off":
-        return {}
-    return {"CUDAGRAPH_SANITIZE": sanitize or s["sanitize"], "CUDAGRAPH_SANITIZE_BACKEND": s["backend"]}
-
-
 def _mpi_ranks(config: pytest.Config, ranks: int | None = None) -> MPIRanks:
     s = _settings(config)
     if s["mpi_unavailable"]:
@@ -115,108 +110,44 @@ def cudagraph_mpi_ranks(pytestconfig: pytest.Config):
     ranks.close()
 
 
-class EngineSequence:
-    """``engine_sequence(factory, n)``: n engines one after another in ONE reused worker.
+def engines_marker(node: pytest.Item) -> tuple[int, str, str | None, int | None]:
+    """``@pytest.mark.cudagraph_engines(n=3, scope="function", sanitize=None, ranks=None)``, checked: an
+    unknown keyword or a bad value is an error naming it."""
+    from cudagraph_lifecycle.errors import ConfigError
 
-    Each engine is built by ``factory(backend)`` in the worker, captured, replayed against eager, released,
-    and checked for a fresh pool; the records go to the terminal summary and the JSON report. A failed
-    check, a crash or the allocator's assert raises :class:`EngineCycleError` naming the engine.
-    """
-
-    def __init__(self, request: pytest.FixtureRequest, default_n: int, worker: ReusedWorker | MPIRanks,
-                 backend: str):
-        self._request = request
-        self._default_n = default_n
-        self.worker = worker  # a ReusedWorker, or MPIRanks (every call runs on every rank)
-        self.backend = backend
-        self.records: list[dict] = []
-
-    def _call(self, fn, *args) -> list[tuple[int | None, int | None, Any]]:
-        if isinstance(self.worker, MPIRanks):
-            return self.worker.call_all(fn, *args)
-        return [(None, self.worker.pid, self.worker.call(fn, *args))]
-
-    def _snapshot(self, error: Exception | None) -> None:
-        """On CUDA, dump the worker's memory snapshot for PyTorch's memory visualizer; path in the report."""
-        if isinstance(error, (WorkerCrashed, WorkerTimeout)) or (
-                isinstance(error, RemoteError) and error.poisons_process):
-            return  # that process is gone or unusable
-        folder = _settings(self._request.config).get("report")
-        folder = os.path.join(os.path.dirname(folder), "cudagraph-snapshots") if folder else tempfile.gettempdir()
-        name = re.sub(r"[^A-Za-z0-9_.-]+", "_", self._request.node.nodeid)[-120:]
-        if isinstance(self.worker, MPIRanks):
-            return  # one snapshot per rank would need a path per rank; the records name the rank instead
-        try:
-            path = self.worker.call(dump_memory_snapshot, os.path.join(folder, f"{name}.pickle"))
-        except Exception:
-            return
-        if path:
-            self._request.node.user_properties.append(("cudagraph_snapshot", path))
-
-    def _publish(self) -> None:
-        props = self._request.node.user_properties
-        props[:] = [p for p in props if p[0] != PROPERTY]
-        props.append((PROPERTY, json.dumps(self.records)))
-
-    def __call__(
-        self, factory: Callable[[Any], Any], n: int | None = None, *, check: bool = True, hold_output: bool = True,
-        atol: float = 1e-4,
-    ) -> list[dict]:
-        n = self._default_n if n is None else n
-        if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
-            raise ConfigError(f"engine_sequence needs n >= 1 engines, got {n!r}")
-        if not callable(factory):
-            raise ConfigError(f"engine_sequence needs a factory callable(backend) -> engine, got {factory!r}")
-        start = len(self.records)
-        try:
-            for i in range(start, start + n):
-                try:
-                    results = self._call(run_cycle, factory, self.backend, i, atol, hold_output)
-                except (RemoteError, RankError, WorkerCrashed, WorkerTimeout) as e:
-                    kind = type(e).__name__
-                    first = str(e).strip().splitlines()[0] if str(e).strip() else kind
-                    self.records.append({
-                        "index": i, "pid": getattr(self.worker, "pid", None), "rank": None, "backend": self.backend,
-                        "pool_ids": [], "fresh": False, "problems": [f"{kind}: {first}"],
-                    })
-                    self._snapshot(e)
-                    self._publish()
-                    raise EngineCycleError(f"engine {i} of the sequence failed in the reused worker: {e}") from None
-                recs = []
-                for rank, _pid, rec in results:
-                    rec = rec.as_dict()
-                    rec["rank"] = rank
-                    recs.append(rec)
-                self.records.extend(recs)
-                self._publish()
-                for rec in recs:
-                    if check and not rec.get("fresh"):
-                        self._snapshot(None)
-                        check_record(rec)
-            left = [v for _, _, v in self._call(drop_held, self.backend)]
-            if check and any(left):
-                raise EngineCycleError(f"the last engine's pools still hold {left} bytes once its output was dropped")
-        finally:
-            self._publish()
-        return self.records[start:]
+    marker = node.get_closest_marker("cudagraph_engines")
+    if marker is None:
+        return 3, "function", None, None
+    unknown = sorted(set(marker.kwargs) - set(MARKER_KWARGS))
+    if unknown or len(marker.args) > 1:
+        raise ConfigError(f"cudagraph_engines{tuple(marker.args)}{marker.kwargs}: takes n (positional or keyword) "
+                          f"and {', '.join(MARKER_KWARGS[1:])}; unknown: {', '.join(unknown) or 'extra positional'}")
+    n = marker.kwargs.get("n", marker.args[0] if marker.args else 3)
+    scope = marker.kwargs.get("scope", "function")
+    sanitize = marker.kwargs.get("sanitize")
+    ranks = marker.kwargs.get("ranks")
+    if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
+        raise ConfigError(f"cudagraph_engines(n={n!r}): give a positive int number of engines")
+    if scope not in SCOPES:
+        raise ConfigError(f"cudagraph_engines(scope={scope!r}): choose one of {', '.join(SCOPES)}")
+    if sanitize not in (None, "off", "on", "strict"):
+        raise ConfigError(f"cudagraph_engines(sanitize={sanitize!r}): choose off, on or strict")
+    if sanitize is not None and scope != "function":
+        raise ConfigError("cudagraph_engines(sanitize=...) needs scope='function': shared workers keep theirs")
+    if ranks is not None and (not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1):
+        raise ConfigError(f"cudagraph_engines(ranks={ranks!r}): give a positive int number of MPI ranks")
+    return n, scope, sanitize, ranks
 
 
 @pytest.fixture
 def engine_sequence(request: pytest.FixtureRequest, pytestconfig: pytest.Config) -> EngineSequence:
     """Run engines in sequence in one reused worker; see :class:`EngineSequence`.
 
-    ``@pytest.mark.cudagraph_engines(n, scope="function"|"module"|"session")`` sets the default engine count
-    and which worker holds them (a module or session worker keeps state across tests).
+    ``@pytest.mark.cudagraph_engines(n, scope="function"|"module"|"session", sanitize=None, ranks=None)``
+    sets the default engine count, which worker holds them (a module or session worker keeps state across
+    tests), a per-test sanitizer mode, and MPI ranks.
     """
-    marker = request.node.get_closest_marker("cudagraph_engines")
-    n, scope, sanitize, ranks = 3, "function", None, None
-    if marker is not None:
-        if marker.args:
-            n = marker.args[0]
-        n = marker.kwargs.get("n", n)
-        scope = marker.kwargs.get("scope", scope)
-        sanitize = marker.kwargs.get("sanitize")
-        ranks = marker.kwargs.get("ranks")
+    n, scope, sanitize, ranks = engines_marker(request.node)
     s = _settings(pytestconfig)
     if s["worker"] == "mpi" or ranks is not None:
         if scope == "module" and ranks is None:
@@ -224,20 +155,11 @@ def engine_sequence(request: pytest.FixtureRequest, pytestconfig: pytest.Config)
         else:
             holder = _mpi_ranks(pytestconfig, ranks)
             request.addfinalizer(holder.close)
-        return EngineSequence(request, n, holder, s["backend"])
-    if sanitize not in (None, "off", "on", "strict"):
-        raise ConfigError(f"cudagraph_engines(sanitize={sanitize!r}): choose off, on or strict")
+        return EngineSequence(request, n, holder, s)
     if sanitize is not None:
-        if scope != "function":
-            raise ConfigError("cudagraph_engines(sanitize=...) needs scope='function': shared workers keep theirs")
         worker = _new_worker(pytestconfig, "function", sanitize)
         request.addfinalizer(worker.close)
-        return EngineSequence(request, n, worker, _settings(pytestconfig)["backend"])
-    if scope not in SCOPES:
-        raise ConfigError(f"cudagraph_engines(scope={scope!r}): choose one of {', '.join(SCOPES)}")
-    if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
-        raise ConfigError(f"cudagraph_engines(n={n!r}): give a positive int number of engines")
+        return EngineSequence(request, n, worker, {**s, "sanitize": sanitize})
     name = {"function": "cudagraph_worker", "module": "cudagraph_module_worker",
             "session": "cudagraph_session_worker"}[scope]
-    worker = request.getfixturevalue(name)
-    return EngineSequence(request, n, worker, _settings(pytestconfig)["backend"])
+    return EngineSequence(request, n, request.getfixturevalue(name), s)

@@ -3,17 +3,37 @@ and the one-GPU-per-xdist-worker rule."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import re
 import subprocess
 import sys
 
 
+def torch_has_gpu_build() -> bool:
+    """Whether the installed torch was built for CUDA or ROCm, read from its version file without importing
+    torch (which costs seconds): a CPU build sees no GPU, whatever the machine has."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        return torch.version.cuda is not None or getattr(torch.version, "hip", None) is not None
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    path = os.path.join(list(spec.submodule_search_locations)[0], "version.py")
+    try:
+        text = open(path).read()
+    except OSError:
+        return True  # cannot tell: ask torch itself
+    found = re.findall(r"^(cuda|hip)\s*(?::[^=]*)?=\s*(.+)$", text, re.M)
+    return any(value.strip() not in ("None", "") for _, value in found) if found else True
+
+
 def visible_gpu_count() -> int:
     """GPUs this process could use, read without creating a CUDA context."""
+    if not torch_has_gpu_build():
+        return 0
     import torch
 
-    if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
-        return 0  # a CPU build of torch
     if torch.cuda.is_initialized():
         return torch.cuda.device_count()
     nvml = getattr(torch.cuda, "_device_count_nvml", None)

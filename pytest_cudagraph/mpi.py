@@ -135,6 +135,10 @@ class MPIRanks:
             raise RankError(failures)
         return [(rank, pid, v) for rank, pid, _, v in results]
 
+    def restart_before_next_call(self) -> None:
+        """A rank's CUDA is unusable (the allocator asserted): start fresh ranks at the next call."""
+        self.controller.restart_before_next_call()
+
     def close(self) -> None:
         self.controller.close()
 

@@ -1,17 +1,27 @@
 """The plugin's settings: each reachable by CLI, environment and ini, with one precedence rule:
-command line > environment variable > ini file > default."""
+command line > environment variable > ini file > default. A bad value is a usage error that names what the
+user set (the option, the variable or the ini key) and how to fix it.
+
+Importing this module does not import torch: the backend a session runs on is resolved when something
+needs it (:func:`effective_backend`).
+"""
 
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
-from cudagraph_lifecycle.backends import BACKEND_NAMES
+from cudagraph_lifecycle.choices import BACKEND_NAMES, SANITIZE_MODES
 
+from .gpu import visible_gpu_count
 from .worker import START_METHODS
+
+SETTINGS_KEY = pytest.StashKey[dict]()  # the resolved settings of the session
+STATE_KEY = pytest.StashKey[dict]()  # what the session recorded: tests, their cycles and findings
 
 
 @dataclass(frozen=True)
@@ -21,7 +31,7 @@ class Option:
     ini: str
     default: Any
     help: str
-    kind: str = "str"  # str | bool | int | float | path
+    kind: str = "str"  # str | bool | int | float | bytes | path
     choices: tuple = ()
 
 
@@ -38,7 +48,11 @@ OPTIONS = [
            kind="float"),
     Option("sanitize", "CUDAGRAPH_SANITIZE_MODE", "cudagraph_sanitize", "on",
            "pool sanitizer in reused workers and cudagraph-marked tests: off, on (stale captures raise "
-           "StalePoolError; findings reported), strict (findings fail the test)", choices=("off", "on", "strict")),
+           "StalePoolError; findings reported), strict (findings, reused pools and pool_ids() mismatches fail "
+           "the test)", choices=SANITIZE_MODES),
+    Option("max-growth", "CUDAGRAPH_MAX_GROWTH", "cudagraph_max_growth", None,
+           "fail an engine whose default-pool growth (weights, workspaces, caches it leaves behind) exceeds "
+           "this many bytes (suffixes KiB, MiB, GiB; default: growth is reported, never a failure)", kind="bytes"),
     Option("worker", "CUDAGRAPH_WORKER_KIND", "cudagraph_worker", "fork",
            "what holds engine sequences: fork (reused worker processes; spawn where CUDA is initialized) or "
            "mpi (reused mpi4py.futures MPIPoolExecutor ranks)", choices=("fork", "mpi")),
@@ -49,6 +63,7 @@ OPTIONS = [
     Option("report", "CUDAGRAPH_REPORT", "cudagraph_report", None,
            "write a JSON report of every engine cycle and test outcome to this path", kind="path"),
 ]
+BY_NAME = {o.name: o for o in OPTIONS}
 
 
 def add_options(parser: pytest.Parser) -> None:
@@ -64,12 +79,25 @@ def add_options(parser: pytest.Parser) -> None:
         parser.addini(o.ini, o.help, default=None)
 
 
+def where(o: Option, source: str) -> str:
+    """How the user set an option, in their words: the flag, the variable, or the ini key."""
+    return {"cli": f"--cudagraph-{o.name}", "env": o.env, "ini": f"ini key {o.ini}"}[source]
+
+
 # kind -> (cast, lowest accepted value, what it must be, an example)
 _NUMBERS = {"int": (int, 1, "an integer", 2), "float": (float, 0, "a number of seconds", 120)}
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_bytes(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if m is None or m.group(2).lower() not in _UNITS:
+        raise ValueError(text)
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
 def _convert(o: Option, raw: Any, source: str) -> Any:
-    where = {"cli": f"--cudagraph-{o.name}", "env": o.env, "ini": f"ini {o.ini}"}[source]
+    name = where(o, source)
     if o.kind == "bool":
         if isinstance(raw, bool):
             return raw
@@ -78,36 +106,67 @@ def _convert(o: Option, raw: Any, source: str) -> Any:
             return True
         if text in ("0", "false", "no", "off", ""):
             return False
-        raise pytest.UsageError(f"{where}={raw!r} is not a boolean: use 1/0, true/false, yes/no, on/off")
+        raise pytest.UsageError(f"{name}={raw!r} is not a boolean: use 1/0, true/false, yes/no, on/off")
+    if o.kind == "bytes":
+        try:
+            return parse_bytes(raw)
+        except ValueError:
+            raise pytest.UsageError(
+                f"{name}={raw!r} is not a size in bytes: give an integer, optionally with KiB, MiB or GiB "
+                f"(e.g. {name}=64MiB)") from None
     if o.kind in _NUMBERS:
         cast, lowest, what, example = _NUMBERS[o.kind]
         try:
             value = cast(raw)
         except (TypeError, ValueError):
-            raise pytest.UsageError(f"{where}={raw!r} is not {what}: e.g. {where}={example}") from None
+            raise pytest.UsageError(f"{name}={raw!r} is not {what}: e.g. {name}={example}") from None
         if value < lowest:
-            raise pytest.UsageError(f"{where}={raw!r} is below {lowest} ({'0 means no limit' if lowest == 0 else 'give a positive number'})")
+            raise pytest.UsageError(
+                f"{name}={raw!r} is below {lowest} ({'0 means no limit' if lowest == 0 else 'give a positive number'})")
         return value
     value = str(raw)
     if o.choices and value not in o.choices:
-        raise pytest.UsageError(f"{where}={value!r} is not one of: {', '.join(o.choices)}")
+        raise pytest.UsageError(f"{name}={value!r} is not one of: {', '.join(o.choices)}")
     return value
 
 
 def resolve(config: pytest.Config) -> dict[str, Any]:
-    """Each setting with the source it came from."""
-    out: dict[str, Any] = {}
+    """Each setting's value, and in ``sources`` where it came from (cli, env, ini or default)."""
+    out: dict[str, Any] = {"sources": {}}
     for o in OPTIONS:
         key = o.name.replace("-", "_")
-        cli = config.getoption("cudagraph_" + key)
-        env = os.environ.get(o.env)
-        ini = config.getini(o.ini)
-        if cli is not None:
-            out[key] = _convert(o, cli, "cli")
-        elif env not in (None, ""):
-            out[key] = _convert(o, env, "env")
-        elif ini not in (None, "", []):
-            out[key] = _convert(o, ini, "ini")
+        candidates = (("cli", config.getoption("cudagraph_" + key)), ("env", os.environ.get(o.env)),
+                      ("ini", config.getini(o.ini)))
+        for source, raw in candidates:
+            if raw not in (None, "", []):
+                out[key] = _convert(o, raw, source)
+                out["sources"][key] = source
+                break
         else:
             out[key] = o.default
+            out["sources"][key] = "default"
     return out
+
+
+def describe_source(s: dict[str, Any], key: str) -> str:
+    """The words for how a setting was chosen, for error messages: e.g. ``--cudagraph-backend=cuda``."""
+    o = BY_NAME[key.replace("_", "-")]
+    source = s["sources"].get(key, "default")
+    if source == "default":
+        return f"the default --cudagraph-{o.name}={o.default}"
+    if o.kind == "bool" and source == "cli":
+        return where(o, source)
+    return f"{where(o, source)}={s[key]}"
+
+
+def effective_backend(config: pytest.Config) -> str:
+    """``cuda`` or ``sim``: what ``auto`` means on this machine. Counts GPUs (without a CUDA context) on
+    first use only, so sessions that never use the plugin never import torch."""
+    s = config.stash[SETTINGS_KEY]
+    if "effective_backend" not in s:
+        if s["backend"] == "sim":
+            s["gpus"] = 0
+        else:
+            s["gpus"] = visible_gpu_count()
+        s["effective_backend"] = s["backend"] if s["backend"] != "auto" else ("cuda" if s["gpus"] else "sim")
+    return s["effective_backend"]

@@ -131,7 +131,7 @@ def _child_main(conn, stderr_path: str, sys_path: list[str], env: dict[str, str]
     if os.environ.get("CUDAGRAPH_SANITIZE"):
         from cudagraph_lifecycle.sanitizer import install_from_env
 
-        install_from_env()
+        install_from_env()  # before any user code: the first capture in this process is watched
     while True:
         try:
             payload = conn.recv_bytes()
@@ -333,6 +333,10 @@ class ReusedWorker:
             if err.poisons_process:
                 self._needs_restart = True  # CUDA in that process is unusable from now on
             raise err
+
+    def restart_before_next_call(self) -> None:
+        """The child's CUDA is unusable (the allocator asserted): replace it at the next call."""
+        self._needs_restart = True
 
     def close(self) -> None:
         with self._lock:

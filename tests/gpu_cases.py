@@ -71,12 +71,10 @@ def naive_two_engines():
     from cudagraph_lifecycle.cycle import run_cycle
 
     _without_worker_sanitizer()
-    first = run_cycle(make_naive_engine, "cuda", 0).fresh
-    try:
-        run_cycle(make_naive_engine, "cuda", 1)
-    except RuntimeError as e:
-        return {"first_fresh": first, "second": str(e).splitlines()[0]}
-    return {"first_fresh": first, "second": "no error"}
+    first = run_cycle(make_naive_engine, "cuda", 0)[-1]
+    second = run_cycle(make_naive_engine, "cuda", 1)[-1]
+    return {"first": first["verdict"], "second": second["verdict"], "poisoned": second["poisoned"],
+            "message": second["problems"][0]["message"] if second["problems"] else ""}
 
 
 def sanitizer_catches_naive_engine():
@@ -85,18 +83,14 @@ def sanitizer_catches_naive_engine():
     sys.path.insert(0, "examples")
     from engines import make_naive_engine
 
-    from cudagraph_lifecycle import PoolSanitizer, StalePoolError
+    from cudagraph_lifecycle import PoolSanitizer
     from cudagraph_lifecycle.cycle import run_cycle
 
     _without_worker_sanitizer()
     be = get_backend("cuda")
     with PoolSanitizer(be):
-        first = run_cycle(make_naive_engine, "cuda", 0).fresh
-        try:
-            run_cycle(make_naive_engine, "cuda", 1)
-            caught = None
-        except StalePoolError as e:
-            caught = str(e)
+        first = run_cycle(make_naive_engine, "cuda", 0)[-1]
+        second = run_cycle(make_naive_engine, "cuda", 1)[-1]
         # the process is still usable: a fresh pool captures, the RNG works
         g = torch.cuda.CUDAGraph()
         x = torch.randn(16, device="cuda")
@@ -105,7 +99,8 @@ def sanitizer_catches_naive_engine():
         g.replay()
         torch.cuda.synchronize()
         ok = torch.allclose(y, x * 2)
-    return {"first_fresh": first, "caught": caught, "usable": ok}
+    return {"first": first["verdict"], "second": second["verdict"], "poisoned": second["poisoned"],
+            "caught": second["problems"][0]["message"] if second["problems"] else None, "usable": ok}
 
 
 def sanitizer_no_false_positives():

@@ -26,14 +26,14 @@ def test_lazy_pool_owns_a_mempool(cudagraph_worker):
 
 def test_naive_engine_asserts_on_its_second_instance(cudagraph_worker):
     r = cudagraph_worker.call(gpu_cases.naive_two_engines)
-    assert r["first_fresh"]
-    assert "use_count > 0 INTERNAL ASSERT FAILED" in r["second"]
+    assert r["first"] == "held" and r["second"] == "stale" and r["poisoned"]
+    assert "the allocator asserted" in r["message"] and "use_count > 0 INTERNAL ASSERT FAILED" in r["message"]
 
 
 def test_sanitizer_catches_the_seed_bug_and_the_process_goes_on(cudagraph_worker):
     r = cudagraph_worker.call(gpu_cases.sanitizer_catches_naive_engine)
-    assert r["first_fresh"] and r["usable"]
-    assert r["caught"] and "pool minted at" in r["caught"] and "engines.py" in r["caught"]
+    assert r["first"] == "held" and r["second"] == "stale" and not r["poisoned"] and r["usable"]
+    assert r["caught"].startswith("StalePoolError") and "pool minted at" in r["caught"] and "engines.py" in r["caught"]
     assert "last graph was released at" in r["caught"] and "in release" in r["caught"]
 
 

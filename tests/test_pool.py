@@ -6,7 +6,7 @@ import torch
 
 from cudagraph_lifecycle import ConfigError, LazyPool, RetiredPoolError
 from cudagraph_lifecycle.backends.sim import SimBackend
-from cudagraph_lifecycle.pool import is_retired, was_minted
+from cudagraph_lifecycle.ledger import ledger
 
 
 def test_nothing_is_minted_at_construction():
@@ -24,7 +24,7 @@ def test_acquire_is_stable_until_retire_then_fresh():
     assert lp.retire() == [a]
     assert lp.current(0) is None and lp.generation == 1
     b = lp.acquire(0)
-    assert b != a and was_minted(be, b) and is_retired(be, a)
+    assert b != a and ledger.was_minted(be.world, b) and ledger.is_retired(be.world, 0, a)
     with pytest.raises(RetiredPoolError, match="was retired"):
         lp.check_capturable(a)
     lp.check_capturable(b)

@@ -6,6 +6,7 @@ import torch
 from cudagraph_lifecycle import CUDAGraphRunner, LazyPool, PoolSanitizer, StalePoolError
 from cudagraph_lifecycle.backends.sim import SimBackend, SimGraph
 from cudagraph_lifecycle.conformance import Ctx
+from cudagraph_lifecycle.ledger import ledger
 from cudagraph_lifecycle.sanitizer import install_from_env
 
 
@@ -221,12 +222,6 @@ def test_sanitizer_follows_the_runner_giving_back_a_failed_capture_reference(sim
     assert san.use_count(pid) == 0 and san.findings() == []
 
 
-def _would_assert(be, pool_id, device=0):
-    """The simulated allocator's own verdict on a capture into pool_id (its books, read before the call)."""
-    pool = be._pools.get((device, tuple(pool_id)))
-    return (pool is not None and pool.use_count <= 0) or be._host_pools.get(tuple(pool_id), 1) <= 0
-
-
 @pytest.mark.parametrize("seed", range(12))
 def test_sanitizer_verdict_equals_the_allocator_on_random_lifecycles(seed):
     """Random mints, captures, resets, drops, cache flushes and MemPools: the sanitizer raises exactly when the
@@ -239,7 +234,7 @@ def test_sanitizer_verdict_equals_the_allocator_on_random_lifecycles(seed):
     c = Ctx(be)
     handles, graphs, outputs, mempools = [], [], [], []
     stale = legal = 0
-    with PoolSanitizer(be) as san:
+    with PoolSanitizer(be):
         for _ in range(80):
             op = rnd.choice(["mint", "capture", "capture", "capture", "reset", "drop_graph", "drop_output",
                              "empty_cache", "host_empty_cache", "mempool", "drop_mempool"])
@@ -247,7 +242,7 @@ def test_sanitizer_verdict_equals_the_allocator_on_random_lifecycles(seed):
                 handles.append(be.graph_pool_handle())
             elif op == "capture":
                 h = rnd.choice(handles)
-                would = _would_assert(be, h)
+                would = be.would_assert(h)
                 g = be.new_graph()
                 try:
                     y = c.step(g, h)
@@ -278,7 +273,9 @@ def test_sanitizer_verdict_equals_the_allocator_on_random_lifecycles(seed):
             elif op == "drop_mempool" and mempools:
                 mempools.pop(rnd.randrange(len(mempools)))
             assert be.poisoned is None
-            assert set(san._dead) == {k for k, e in san._pools.items() if e.dead}, op
+            with ledger.lock:
+                ledger.drain()
+                assert set(ledger.dead) == {k for k, e in ledger.pools.items() if e.dead}, op
     assert legal > 0
 
 
@@ -295,6 +292,7 @@ def test_sanitizer_forgets_destroyed_graphs(sim):
         del g
     (row,) = san.ledger()
     assert row["captures"] == 51 and row["use_count"] == 1
-    assert len(san._graphs) == 1 and len(san._refs) == 1  # only the live graph is remembered
+    mine = [g for g in ledger.live_graphs(be.world)]
+    assert len(mine) == 1 and len([g for g in ledger.graphs.values() if g.world == be.world]) == 1
     del keep, y
-    assert san._graphs == {} and san.findings() == []
+    assert ledger.live_graphs(be.world) == [] and san.findings() == []

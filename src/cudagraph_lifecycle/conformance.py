@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .backends import Backend, get_backend
+from .backends import Backend, get_backend, isolated_backend
 from .backends.base import MiB
 
 N = 64 * 64  # a 16 KiB float32 tensor: one small block
@@ -665,7 +665,7 @@ BY_NAME = {s.name: s for s in SCENARIOS}
 def run_scenario(name: str, backend: str | Backend = "sim") -> str:
     """Run one scenario on a fresh allocator world (a new SimBackend, or this process's CUDA)."""
     sc = BY_NAME[name]
-    be = get_backend(backend)
+    be = backend if isinstance(backend, Backend) else isolated_backend(backend)
     try:
         return sc.fn(Ctx(be))
     except Exception as e:  # an unexpected error is an outcome too: it must match on both backends
@@ -689,7 +689,7 @@ def run_isolated(name: str, backend: str, timeout: float = 120.0) -> str:
 
 
 def run_table(backend: str = "sim", isolate: bool | None = None, jobs: int = 4) -> list[dict]:
-    isolate = (backend != "sim") if isolate is None else isolate
+    isolate = (not get_backend(backend).isolates_in_process) if isolate is None else isolate
     rows = []
     if isolate:
         from concurrent.futures import ThreadPoolExecutor
@@ -720,9 +720,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(rows) - bad}/{len(rows)} scenarios match on {backend} in {time.time() - t0:.1f}s")
     if a.json:
         meta = {"backend": backend, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-                "host": os.uname().nodename}
-        if backend == "cuda":
-            meta["gpu"] = torch.cuda.get_device_name(0)
+                "host": os.uname().nodename} | get_backend(backend).describe()
         with open(a.json, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
     return 1 if bad else 0

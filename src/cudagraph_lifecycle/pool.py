@@ -2,7 +2,7 @@
 
 Why lazy: an id minted at import or construction time outlives the engine that used it. A reused worker
 that builds a second engine would capture into the first engine's id after all its graphs were reset,
-and the caching allocator asserts ``use_count > 0`` (DESIGN.md §1). Minting on first capture and
+and the caching allocator asserts ``use_count > 0`` (docs/ARCHITECTURE.md, measured facts). Minting on first capture and
 retiring at release makes every engine's pool fresh; the retired set makes "never again" checkable.
 """
 
@@ -15,41 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from .backends import Backend, PoolId, PoolState, get_backend
+from .choices import POOL_MODES
 from .errors import ConfigError, RetiredPoolError
-
-POOL_MODES = ("auto", "mempool", "handle")
-
-# Every pool id minted through this library in this process, per allocator world: a fresh-pool check
-# asks whether an id was ever handed out before.
-_minted: dict[Any, set[tuple[int, PoolId]]] = {}
-_retired: dict[Any, set[tuple[int, PoolId]]] = {}
-_registry_lock = threading.Lock()
-_registry_pid = os.getpid()
-
-
-def world_key(backend: Backend) -> Any:
-    """Backends that share one allocator share a key: every cuda backend is one world, each sim its own."""
-    return backend.world
-
-
-def _books(backend: Backend) -> tuple[set, set]:
-    global _registry_pid
-    if os.getpid() != _registry_pid:  # a forked child starts with the parent's books but none of its pools
-        _registry_pid = os.getpid()
-        _minted.clear()
-        _retired.clear()
-    key = world_key(backend)
-    return _minted.setdefault(key, set()), _retired.setdefault(key, set())
-
-
-def was_minted(backend: Backend, pool_id: PoolId, device: int = 0) -> bool:
-    with _registry_lock:
-        return (device, tuple(pool_id)) in _books(backend)[0]
-
-
-def is_retired(backend: Backend, pool_id: PoolId, device: int = 0) -> bool:
-    with _registry_lock:
-        return (device, tuple(pool_id)) in _books(backend)[1]
+from .ledger import Stack, ledger
 
 
 @dataclass(frozen=True)
@@ -123,14 +91,12 @@ class LazyPool:
                 pool_id = tuple(owner.id)
             else:
                 pool_id = self.backend.graph_pool_handle()
-            with _registry_lock:
-                minted, retired = _books(self.backend)
-                if (device, pool_id) in retired:  # the allocator handed back a retired id: never use it
-                    raise RetiredPoolError(
-                        f"the allocator returned pool id {pool_id} on device {device}, which was already "
-                        "retired; this should not happen: please report it with your torch version"
-                    )
-                minted.add((device, pool_id))
+            if ledger.is_retired(self.backend.world, device, pool_id):  # never use a retired id again
+                raise RetiredPoolError(
+                    f"the allocator returned pool id {pool_id} on device {device}, which was already "
+                    "retired; this should not happen: please report it with your torch version"
+                )
+            ledger.note_minted(self.backend.world, pool_id, Stack.here())
             self._pools[device] = (pool_id, owner)
             stack = "".join(traceback.format_stack(limit=8)[:-1])
             self._records.append(PoolRecord(pool_id, device, self._generation, self.mode, stack))
@@ -162,7 +128,7 @@ class LazyPool:
 
     def check_capturable(self, pool_id: PoolId, device: int = 0) -> None:
         """Raise :class:`RetiredPoolError` if ``pool_id`` was retired (by any LazyPool of this world)."""
-        if is_retired(self.backend, pool_id, device):
+        if ledger.is_retired(self.backend.world, device, pool_id):
             raise RetiredPoolError(
                 f"pool {tuple(pool_id)} on device {device} was retired when its engine was released; "
                 f"capturing into it again is the stale-pool bug (use_count > 0 INTERNAL ASSERT on CUDA). "
@@ -174,11 +140,9 @@ class LazyPool:
         with self._lock:
             self._after_fork_check()
             retired = []
-            with _registry_lock:
-                books = _books(self.backend)[1]
-                for device, (pool_id, _owner) in self._pools.items():
-                    books.add((device, pool_id))
-                    retired.append(pool_id)
+            for device, (pool_id, _owner) in self._pools.items():
+                ledger.retire(self.backend.world, device, pool_id)
+                retired.append(pool_id)
             self._pools = {}  # drops the MemPool owners: their own references go now
             if retired:
                 self._generation += 1

@@ -16,11 +16,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
 
 from .backends import Backend, PoolId, PoolState, get_backend
 from .errors import ConfigError, GraphInputError, PoolNotReleasedError, RunnerReleasedError
 from .pool import LazyPool
+from .trees import leaves, map_leaves
 
 FALLBACK_REASONS = ("batch_over_max", "key_not_captured", "disabled", "capture_failed")
 
@@ -123,7 +123,7 @@ class CUDAGraphRunner:
         enabled: False runs everything eagerly (counted as fallback ``disabled``).
 
     Capture runs under ``torch.no_grad()``: autograd history on a captured output would keep the capture's
-    saved activations, and with them the pool, alive after release (DESIGN.md §1).
+    saved activations, and with them the pool, alive after release (docs/ARCHITECTURE.md, measured facts).
     """
 
     def __init__(
@@ -314,8 +314,8 @@ class CUDAGraphRunner:
         graph.replay()
         self._stats.replays += 1
         if self.copy_outputs:
-            return tree_map(lambda t: t[:b].clone() if isinstance(t, torch.Tensor) else t, out)
-        return tree_map(lambda t: t[:b] if isinstance(t, torch.Tensor) else t, out)
+            return map_leaves(lambda t: t[:b].clone() if isinstance(t, torch.Tensor) else t, out)
+        return map_leaves(lambda t: t[:b] if isinstance(t, torch.Tensor) else t, out)
 
     __call__ = run
 
@@ -380,5 +380,5 @@ class CUDAGraphRunner:
     def outputs_alive(self) -> int:
         """How many static output tensors the runner still holds (0 after release)."""
         return sum(
-            1 for _, out in self._graphs.values() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)
+            1 for _, out in self._graphs.values() for t in leaves(out) if isinstance(t, torch.Tensor)
         )

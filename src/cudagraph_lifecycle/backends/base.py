@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -45,12 +46,61 @@ class PoolState:
         return d
 
 
+Hook = tuple[Any, str, Callable[..., Any]]  # (owner, attribute name, parse: the call -> what it did)
+
+
+@dataclass(frozen=True)
+class GraphAPI:
+    """Where one backend kind's graph API lives, and how to read an observed call of it.
+
+    The observation layer (``cudagraph_lifecycle.observe``) wraps these attributes once per process and feeds
+    the ledger from what it sees; it never asks which backend it is watching. Each ``parse`` returns the
+    :class:`Backend` (allocator world) the call belongs to, plus what it did, or None when the call is not one
+    this kind answers for.
+
+    * ``graph_cls``: the class whose ``capture_begin``, ``capture_end`` and ``reset`` are wrapped;
+      ``graph_backend(graph)`` and ``capture_device(graph)`` read a graph's world and the device it captures on.
+    * ``handles``: functions returning a new pool id; ``parse(args, kwargs, result) -> (backend, pool_id)``.
+    * ``mempool_cls`` and ``mempool_parse(mp) -> (backend, device, pool_id)``: pool objects that hold a device
+      reference of their own while alive.
+    * ``device_flush`` / ``host_flush``: ``empty_cache`` and the host allocator's flush;
+      ``parse(args, kwargs) -> backend``.
+    * ``pool_refs``: functions that take (+1) or give back (-1) one device reference to a pool outside any graph;
+      ``parse(args, kwargs) -> (backend, device, pool_id, delta)``.
+    """
+
+    kind: str
+    graph_cls: type
+    graph_backend: Callable[[Any], Backend | None]
+    capture_device: Callable[[Any], int]
+    handles: tuple[Hook, ...] = ()
+    mempool_cls: type | None = None
+    mempool_parse: Callable[[Any], tuple] | None = None
+    device_flush: Hook | None = None
+    host_flush: Hook | None = None
+    pool_refs: tuple[Hook, ...] = ()
+
+
+@dataclass(frozen=True)
+class Block:
+    """One live block of a private pool: its size, and where it was allocated when that was recorded."""
+
+    size: int
+    stack: str = ""
+
+
 class Backend(ABC):
-    """One allocator world: devices, pool ids, graphs, streams and the books of every private pool."""
+    """One allocator world: devices, pool ids, graphs, streams and the books of every private pool.
+
+    ``get_backend(kind)`` returns the process's one object of each kind; ``world`` names the allocator it
+    models, so records made through different objects of one allocator agree.
+    """
 
     name: str = "base"
-    # Backends that share one allocator share a world: every cuda backend is the process's CUDA allocator.
     world: object = "base"
+    # True where an isolated world can be built in this process (the simulated allocator); the real one
+    # exists once per process, so a scenario that must not share it runs in a process of its own.
+    isolates_in_process: bool = False
 
     # devices
     @abstractmethod
@@ -106,7 +156,8 @@ class Backend(ABC):
 
     def capture_stream(self, device: int = 0) -> Any:
         """One capture stream per device for the whole process: every new stream gets its own library
-        workspaces (cuBLAS), so a stream per engine grows reserved memory engine after engine."""
+        workspaces (cuBLAS), so a stream per engine grows reserved memory engine after engine. The backend
+        object is the process's one (``get_backend``), so every runner shares these streams."""
         streams = self.__dict__.setdefault("_capture_streams", {})
         if device not in streams:
             streams[device] = self.new_stream(device)
@@ -151,6 +202,28 @@ class Backend(ABC):
 
     @abstractmethod
     def memory_reserved(self, device: int = 0) -> int: ...
+
+    def default_pool_reserved(self, device: int = 0) -> int:
+        """Reserved bytes outside every private pool (weights, inputs, library workspaces)."""
+        return self.memory_reserved(device) - sum(s["size"] for s in self.segments(device) if s["pool_id"] != (0, 0))
+
+    def live_blocks(self, pool_id: PoolId, device: int = 0) -> list[Block]:
+        """The live blocks of a pool, with allocation stacks where they were recorded
+        (``record_history``); empty where the backend cannot list them."""
+        return []
+
+    def record_history(self, on: bool = True) -> str | None:
+        """Record an allocation stack for every block from now on. None when done, else why it cannot be."""
+        return "this backend cannot record allocation stacks"
+
+    def dump_snapshot(self, path: str) -> str | None:
+        """Write the allocator's memory snapshot (PyTorch's memory visualizer opens it); None if it cannot."""
+        return None
+
+    @classmethod
+    def graph_api(cls) -> GraphAPI | None:
+        """Where this kind's graph API lives, for the observation layer."""
+        return None
 
     @abstractmethod
     def memory_allocated(self, device: int = 0) -> int: ...

@@ -1,27 +1,52 @@
-"""The real ``torch.cuda`` backend. Pool books come from ``torch.cuda.memory_snapshot()``."""
+"""The real ``torch.cuda`` backend. Pool books come from ``torch.cuda.memory_snapshot()``.
+
+Private torch APIs are looked up when used, never at import: where a build lacks one, the feature that
+needs it says so and is off (see :func:`missing_features`).
+"""
 
 from __future__ import annotations
 
 import contextlib
+import os
+import threading
 from typing import Any
 
 import torch
 
-from .base import Backend, PoolId, PoolState
+from .base import Backend, Block, GraphAPI, PoolId, PoolState
+
+# private torch functions this backend uses, and what is off without each
+_PRIVATE = {
+    "_cuda_getPoolUseCount": "pool use counts read from the allocator (the ledger's counts are used instead)",
+    "_host_emptyCache": "the host allocator's flush (its ledger of graph pools is then never cleared here)",
+    "_cuda_endAllocateToPool": "closing the allocator's record after a failed capture",
+    "_cuda_releasePool": "giving back a failed capture's pool reference",
+}
 
 
-def _use_count_reader():
-    # Not every build exposes the allocator's pool use count; without it, use_count reads None.
-    fn = getattr(torch._C, "_cuda_getPoolUseCount", None)
+def missing_features() -> dict[str, str]:
+    """The private torch APIs this build lacks, each with the feature that is off without it."""
+    return {name: why for name, why in _PRIVATE.items() if not callable(getattr(torch._C, name, None))}
+
+
+def _private(name: str):
+    fn = getattr(torch._C, name, None)
     return fn if callable(fn) else None
 
 
 class CudaBackend(Backend):
     name = "cuda"
-    world = "cuda"
+    world = "cuda"  # one CUDA caching allocator per process
+    _process: CudaBackend | None = None
+    _lock = threading.Lock()
 
-    def __init__(self) -> None:
-        self._use_count = _use_count_reader()
+    @classmethod
+    def process(cls) -> CudaBackend:
+        """The process's one CUDA backend (a forked child builds its own)."""
+        with cls._lock:
+            if cls._process is None:
+                cls._process = cls()
+            return cls._process
 
     # devices
     def is_available(self) -> bool:
@@ -80,12 +105,12 @@ class CudaBackend(Backend):
         torch.cuda.empty_cache()
 
     def host_empty_cache(self) -> None:
-        fn = getattr(torch._C, "_host_emptyCache", None)
+        fn = _private("_host_emptyCache")
         if fn is not None:
             fn()
 
     def end_capture_routing(self, pool_id: PoolId, device: int = 0) -> bool:
-        fn = getattr(torch._C, "_cuda_endAllocateToPool", None)
+        fn = _private("_cuda_endAllocateToPool")
         if fn is None:
             return False
         try:
@@ -95,7 +120,9 @@ class CudaBackend(Backend):
         return True
 
     def release_pool_reference(self, pool_id: PoolId, device: int = 0) -> None:
-        torch._C._cuda_releasePool(device, tuple(pool_id))
+        fn = _private("_cuda_releasePool")
+        if fn is not None:
+            fn(device, tuple(pool_id))
 
     # books
     def _segments(self, device: int) -> list[dict]:
@@ -103,13 +130,14 @@ class CudaBackend(Backend):
 
     def pool_state(self, pool_id: PoolId, device: int = 0) -> PoolState:
         pool_id = tuple(pool_id)
-        segs = [s for s in self._segments(device) if tuple(s.get("segment_pool_id", (0, 0))) == pool_id]
+        segs = [s for s in self._segments(device) if _segment_pool(s) == pool_id]
         reserved = sum(s["total_size"] for s in segs)
         allocated = sum(s["allocated_size"] for s in segs)
         use_count = None
-        if self._use_count is not None:
+        reader = _private("_cuda_getPoolUseCount")
+        if reader is not None:
             with contextlib.suppress(Exception):
-                use_count = int(self._use_count(device, pool_id))
+                use_count = int(reader(device, pool_id))
         # A pool with no segment may still exist in the allocator's books (a live graph that allocated
         # nothing); without a use-count reader, segments are the only evidence.
         exists = bool(segs) or bool(use_count)
@@ -117,11 +145,11 @@ class CudaBackend(Backend):
 
     def segments(self, device: int = 0) -> list[dict[str, Any]]:
         return [{"address": s["address"], "size": s["total_size"], "allocated": s["allocated_size"],
-                 "pool_id": tuple(s.get("segment_pool_id", (0, 0))), "stream": s.get("stream")}
+                 "pool_id": _segment_pool(s), "stream": s.get("stream")}
                 for s in self._segments(device)]
 
     def pool_ids(self, device: int = 0) -> list[PoolId]:
-        ids = {tuple(s.get("segment_pool_id", (0, 0))) for s in self._segments(device)}
+        ids = {_segment_pool(s) for s in self._segments(device)}
         ids.discard((0, 0))
         return sorted(ids)
 
@@ -130,6 +158,35 @@ class CudaBackend(Backend):
 
     def memory_allocated(self, device: int = 0) -> int:
         return torch.cuda.memory_allocated(device)
+
+    def live_blocks(self, pool_id: PoolId, device: int = 0) -> list[Block]:
+        out = []
+        for seg in self._segments(device):
+            if _segment_pool(seg) != tuple(pool_id):
+                continue
+            for blk in seg.get("blocks", []):
+                if blk.get("state") == "active_allocated":
+                    frames = blk.get("frames") or []
+                    out.append(Block(blk.get("size", 0), "".join(
+                        f"  {f['filename']}:{f['line']} in {f['name']}\n" for f in frames[:12])))
+        return out
+
+    def record_history(self, on: bool = True) -> str | None:
+        fn = getattr(torch.cuda.memory, "_record_memory_history", None)
+        if fn is None:
+            return "this torch build has no torch.cuda.memory._record_memory_history"
+        fn(max_entries=100000) if on else fn(enabled=None)
+        return None
+
+    def dump_snapshot(self, path: str) -> str | None:
+        if not torch.cuda.is_initialized():
+            return None
+        fn = getattr(torch.cuda.memory, "_dump_snapshot", None)
+        if fn is None:
+            return None
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        fn(path)
+        return path
 
     # tensors
     def randn(self, *shape: int, device: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -143,4 +200,64 @@ class CudaBackend(Backend):
         if torch.cuda.is_available():
             d["gpu"] = torch.cuda.get_device_name(0)
             d["cuda"] = torch.version.cuda
+        missing = missing_features()
+        if missing:
+            d["missing_features"] = missing
         return d
+
+    @classmethod
+    def graph_api(cls) -> GraphAPI | None:
+        graph_cls = getattr(torch.cuda, "CUDAGraph", None)
+        if graph_cls is None:
+            return None
+
+        def backend(*_a: Any) -> CudaBackend:
+            return cls.process()
+
+        reader = _private("_cuda_getDevice")  # cheap: the capture is underway, so CUDA is initialized
+
+        def capture_device(_graph: Any) -> int:
+            return reader() if reader is not None else torch.cuda.current_device()
+
+        def handle(args, kwargs, result):
+            return cls.process(), tuple(result)
+
+        def mempool(mp):
+            return cls.process(), torch.cuda.current_device(), tuple(mp.id)
+
+        def take(args, kwargs):  # (device, pool): cudagraph trees' warm-up allocations take a reference
+            return cls.process(), int(args[0]), tuple(args[1]), +1
+
+        def give(args, kwargs):
+            return cls.process(), int(args[0]), tuple(args[1]), -1
+
+        owners = [(mod, "graph_pool_handle", handle) for mod in (torch.cuda, torch.cuda.graphs)
+                  if "graph_pool_handle" in vars(mod)]
+        refs = [(torch._C, name, parse) for name, parse in (
+            ("_cuda_beginAllocateCurrentThreadToPool", take), ("_cuda_beginAllocateToPool", take),
+            ("_cuda_releasePool", give)) if hasattr(torch._C, name)]
+        return GraphAPI(
+            kind="cuda",
+            graph_cls=graph_cls,
+            graph_backend=backend,
+            capture_device=capture_device,
+            handles=tuple(owners),
+            mempool_cls=getattr(torch.cuda, "MemPool", None),
+            mempool_parse=mempool,
+            device_flush=(torch.cuda, "empty_cache", lambda a, k: cls.process()),
+            host_flush=(torch._C, "_host_emptyCache", lambda a, k: cls.process())
+            if hasattr(torch._C, "_host_emptyCache") else None,
+            pool_refs=tuple(refs),
+        )
+
+
+def _segment_pool(seg: dict) -> PoolId:
+    return tuple(seg.get("segment_pool_id", (0, 0)))
+
+
+def _forget_process_backend() -> None:
+    CudaBackend._process = None
+    CudaBackend._lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_process_backend)

@@ -1,6 +1,6 @@
 """The caching allocator's private-pool rules, simulated on the CPU.
 
-The rules (c10/cuda/CUDACachingAllocator.cpp; DESIGN.md §1), nothing looser:
+The rules (c10/cuda/CUDACachingAllocator.cpp; docs/ARCHITECTURE.md), nothing looser:
 
 * capture into pool P: if P does not exist it is created with use_count 1; if it exists, ``use_count > 0``
   is asserted (the assert poisons the process), then use_count += 1;
@@ -24,13 +24,21 @@ every tensor the forward creates; a storage born inside the capture is a block o
 reference to it tells when the block dies (an output the caller keeps, a clone whose autograd history keeps
 saved activations). Blocks are placed in segments with the allocator's size classes, so "bytes of pool P"
 means what it means on CUDA. Replay re-runs the recorded ops into the captured tensors, so outputs equal
-eager. Each ``SimBackend`` is its own allocator world: a poisoned one does not poison the Python process.
+eager.
+
+The default pool holds what the backend's own factories (``randn``, ``empty``) allocate, with the same size
+classes, so an engine whose weights or buffers outlive it grows the default pool as on CUDA; library
+workspaces are not modeled.
+
+``get_backend("sim")`` is the process's one simulated allocator (``SimBackend.process()``); each
+``SimBackend()`` built directly is an isolated world: a poisoned one does not poison the Python process.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import threading
 import traceback
 import weakref
@@ -40,9 +48,11 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
 
-from .base import Backend, MiB, PoolId, PoolState
+from ..trees import leaves, map_leaves
+from .base import Backend, Block, GraphAPI, MiB, PoolId, PoolState
+
+DEFAULT_POOL: PoolId = (0, 0)  # where the backend's factories allocate; never a graph pool
 
 # Size classes of the caching allocator.
 MIN_BLOCK = 512
@@ -208,7 +218,7 @@ class _CaptureMode(TorchDispatchMode):
         if func in _HOST_SYNC_OPS:
             g._invalidated = True
             raise RuntimeError(CAPTURE_SYNC_MESSAGE)
-        flat_in, _ = tree_flatten((args, kwargs))
+        flat_in = leaves((args, kwargs))
         in_keys = {_storage_key(t) for t in flat_in if isinstance(t, torch.Tensor)}
         out = func(*args, **kwargs)
 
@@ -218,10 +228,10 @@ class _CaptureMode(TorchDispatchMode):
                 return _Slot(slot) if slot is not None else x
             return x
 
-        t_args = tree_map(to_template, args)
-        t_kwargs = tree_map(to_template, kwargs)
+        t_args = map_leaves(to_template, args)
+        t_kwargs = map_leaves(to_template, kwargs)
         outs = []
-        flat_out, _ = tree_flatten(out)
+        flat_out = leaves(out)
         for t in flat_out:
             if not isinstance(t, torch.Tensor):
                 continue
@@ -307,8 +317,8 @@ class SimGraph:
             return env[x.index] if isinstance(x, _Slot) else x
 
         for op in self._ops:
-            out = op.func(*tree_map(resolve, op.args), **tree_map(resolve, op.kwargs))
-            flat_out = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+            out = op.func(*map_leaves(resolve, op.args), **map_leaves(resolve, op.kwargs))
+            flat_out = [t for t in leaves(out) if isinstance(t, torch.Tensor)]
             for t, (slot, weak, meta) in zip(flat_out, op.outs):
                 env[slot] = t
                 if weak is not None:
@@ -348,10 +358,25 @@ def _copy_into_storage(weak: StorageWeakRef, meta: tuple, value: torch.Tensor) -
 
 
 class SimBackend(Backend):
-    """A CPU model of the CUDA caching allocator's private pools, with ``devices`` simulated devices."""
+    """A CPU model of the CUDA caching allocator's private pools, with ``devices`` simulated devices.
+
+    ``SimBackend()`` is an isolated world of its own; ``SimBackend.process()`` (what ``get_backend("sim")``
+    returns) is the process's one simulated allocator.
+    """
 
     name = "sim"
+    isolates_in_process = True
     _worlds = itertools.count(1)
+    _process: SimBackend | None = None
+    _process_lock = threading.Lock()
+
+    @classmethod
+    def process(cls) -> SimBackend:
+        """The process's one simulated allocator (a forked child builds its own)."""
+        with cls._process_lock:
+            if cls._process is None:
+                cls._process = cls()
+            return cls._process
 
     def __init__(self, devices: int = 2, record_stacks: bool = False):
         if not isinstance(devices, int) or devices < 1:
@@ -451,29 +476,42 @@ class SimBackend(Backend):
 
     def _allocate_block(self, graph: SimGraph, t: torch.Tensor) -> None:
         with self._lock:
-            self._collect()
-            pool = self._pools[(graph._device, graph._pool)]
-            size = round_size(t.untyped_storage().nbytes())
-            small = size <= SMALL_SIZE
-            # Best fit over every free block of the size class in the pool (the smallest that fits, then the
-            # oldest segment, then the lowest offset), as the caching allocator's get_free_block does.
-            best: tuple[int, int, _Segment, int] | None = None
-            for i, seg in enumerate(pool.segments):
-                if seg.small != small:
-                    continue
-                for off, gap in seg.free_gaps():
-                    if gap >= size and (best is None or (gap, i) < best[:2]):
-                        best = (gap, i, seg, off)
-            if best is None:
-                seg = _Segment(segment_size(size), small)
-                pool.segments.append(seg)
-                off, gap = 0, seg.size
-            else:
-                gap, _, seg, off = best
-            if not small and gap - size <= SMALL_SIZE:
-                size = gap  # a large block is split only if more than 1 MiB would remain (should_split)
-            stack = traceback.format_stack(limit=12)[:-3] if self.record_stacks else None
-            seg.blocks.append(_Block(off, size, StorageWeakRef(t.untyped_storage()), _storage_key(t), stack))
+            self._place(self._pools[(graph._device, graph._pool)], t)
+
+    def _allocate_default(self, t: torch.Tensor, device: int) -> torch.Tensor:
+        """A tensor made by the backend's factories: a block of the device's default pool."""
+        with self._lock:
+            key = (device, DEFAULT_POOL)
+            pool = self._pools.get(key)
+            if pool is None:
+                pool = self._pools[key] = _Pool(DEFAULT_POOL, device, use_count=0)
+            self._place(pool, t)
+        return t
+
+    def _place(self, pool: _Pool, t: torch.Tensor) -> None:
+        """Put a new storage's block in the pool as the caching allocator would."""
+        self._collect()
+        size = round_size(t.untyped_storage().nbytes())
+        small = size <= SMALL_SIZE
+        # Best fit over every free block of the size class in the pool (the smallest that fits, then the
+        # oldest segment, then the lowest offset), as the caching allocator's get_free_block does.
+        best: tuple[int, int, _Segment, int] | None = None
+        for i, seg in enumerate(pool.segments):
+            if seg.small != small:
+                continue
+            for off, gap in seg.free_gaps():
+                if gap >= size and (best is None or (gap, i) < best[:2]):
+                    best = (gap, i, seg, off)
+        if best is None:
+            seg = _Segment(segment_size(size), small)
+            pool.segments.append(seg)
+            off, gap = 0, seg.size
+        else:
+            gap, _, seg, off = best
+        if not small and gap - size <= SMALL_SIZE:
+            size = gap  # a large block is split only if more than 1 MiB would remain (should_split)
+        stack = traceback.format_stack(limit=13)[:-4] if self.record_stacks else None
+        seg.blocks.append(_Block(off, size, StorageWeakRef(t.untyped_storage()), _storage_key(t), stack))
 
     def _collect(self) -> None:
         """Return the blocks whose storage died to their segments' free space."""
@@ -481,6 +519,13 @@ class SimBackend(Backend):
             for seg in pool.segments:
                 if seg.blocks:
                     seg.blocks = [b for b in seg.blocks if b.alive()]
+
+    def would_assert(self, pool_id: PoolId, device: int = 0) -> bool:
+        """The allocator's own verdict on a capture into ``pool_id`` now: True if it would assert
+        (``use_count > 0`` on the device pool, or on the host allocator's ledger)."""
+        with self._lock:
+            pool = self._pools.get((device, tuple(pool_id)))
+            return (pool is not None and pool.use_count <= 0) or self._host_pools.get(tuple(pool_id), 1) <= 0
 
     def _check_not_poisoned(self) -> None:
         if self.poisoned:
@@ -532,6 +577,9 @@ class SimBackend(Backend):
                 if not pool.segments:
                     del self._pools[key]
                     self._freeable.discard(key)
+            for (_, pid), pool in self._pools.items():
+                if pid == DEFAULT_POOL:
+                    pool.segments = [s for s in pool.segments if s.blocks]
 
     # books
     def pool_state(self, pool_id: PoolId, device: int = 0) -> PoolState:
@@ -546,7 +594,8 @@ class SimBackend(Backend):
 
     def pool_ids(self, device: int = 0) -> list[PoolId]:
         with self._lock:
-            return sorted(p.pool_id for (d, _), p in self._pools.items() if d == device and p.segments)
+            return sorted(p.pool_id for (d, pid), p in self._pools.items()
+                          if d == device and p.segments and pid != DEFAULT_POOL)
 
     def segments(self, device: int = 0) -> list[dict[str, Any]]:
         with self._lock:
@@ -564,24 +613,32 @@ class SimBackend(Backend):
             self._collect()
             return sum(p.allocated() for (d, _), p in self._pools.items() if d == device)
 
-    def block_stacks(self, pool_id: PoolId, device: int = 0) -> list[list[str]]:
-        """Allocation stacks of the live blocks of a pool (when ``record_stacks`` is on)."""
+    def live_blocks(self, pool_id: PoolId, device: int = 0) -> list[Block]:
         with self._lock:
             self._collect()
             pool = self._pools.get((device, tuple(pool_id)))
             if pool is None:
                 return []
-            return [b.stack or [] for s in pool.segments for b in s.blocks]
+            return [Block(b.size, "".join(b.stack or [])) for s in pool.segments for b in s.blocks]
 
-    # tensors
+    def record_history(self, on: bool = True) -> str | None:
+        self.record_stacks = on
+        return None
+
+    # tensors: blocks of the default pool, outside any capture
     def randn(self, *shape: int, device: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         self.check_device(device)
         self._check_not_poisoned()
-        return torch.randn(*shape, dtype=dtype)
+        return self._factory(torch.randn(*shape, dtype=dtype), device)
 
     def empty(self, *shape: int, device: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         self.check_device(device)
-        return torch.empty(*shape, dtype=dtype)
+        return self._factory(torch.empty(*shape, dtype=dtype), device)
+
+    def _factory(self, t: torch.Tensor, device: int) -> torch.Tensor:
+        if self._capturing is not None or t.untyped_storage().nbytes() == 0:
+            return t  # inside a capture the capture's own mode books it in the graph's pool
+        return self._allocate_default(t, device)
 
     def release_pool_reference(self, pool_id: PoolId, device: int = 0) -> None:
         self._decref_pool(tuple(pool_id), device)
@@ -592,3 +649,36 @@ class SimBackend(Backend):
             return False
         self._routing_open.discard(key)
         return True
+
+    @classmethod
+    def graph_api(cls) -> GraphAPI:
+        def mine(args) -> SimBackend | None:
+            return args[0] if args and isinstance(args[0], SimBackend) else None
+
+        def release(args, kwargs):
+            be = mine(args)
+            if be is None:
+                return None
+            device = args[2] if len(args) > 2 else kwargs.get("device", 0)
+            return be, device, tuple(args[1]), -1
+
+        return GraphAPI(
+            kind="sim",
+            graph_cls=SimGraph,
+            graph_backend=lambda g: g._backend,
+            capture_device=lambda g: g._backend._current_stream.device,
+            handles=((cls, "graph_pool_handle", lambda a, k, result: (mine(a), result)),),
+            mempool_cls=SimMemPool,
+            mempool_parse=lambda mp: (mp._backend, mp.device, tuple(mp.id)),
+            device_flush=(cls, "empty_cache", lambda a, k: mine(a)),
+            host_flush=(cls, "host_empty_cache", lambda a, k: mine(a)),
+            pool_refs=((cls, "release_pool_reference", release),),
+        )
+
+
+def _forget_process_backend() -> None:
+    SimBackend._process = None
+    SimBackend._process_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_process_backend)

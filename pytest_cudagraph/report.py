@@ -1,0 +1,129 @@
+"""What the session records about each test (outcome, engine cycles, sanitizer findings), the totals, and
+the JSON report with its PNG timeline.
+
+The totals agree with pytest's exit code: ``lifecycle_failures`` counts the tests that FAILED (not xfailed,
+not passed) with a failed engine cycle or a strict sanitizer finding, so a CI gate on
+``.totals.lifecycle_failures == 0`` fails exactly when pytest fails for lifecycle reasons.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from importlib import metadata
+from typing import Any
+
+import pytest
+
+CYCLES = "cudagraph_cycles"  # user property: the test's engine cycles, as JSON
+FINDINGS = "cudagraph_findings"  # user property: the in-process sanitizer's findings
+STRICT_FAILURE = "cudagraph_strict_failure"  # user property: strict findings failed the test
+SNAPSHOT = "cudagraph_snapshot"  # user property: a memory snapshot's path
+VERDICTS = ("fresh", "held", "leaked", "stale", "reused", "error")
+
+
+def new_state() -> dict[str, Any]:
+    return {"tests": {}, "started": time.time()}
+
+
+def record(state: dict, rep: pytest.TestReport) -> None:
+    """Fold one phase's report (setup, call, teardown; here or from an xdist worker) into the test's entry."""
+    entry = state["tests"].setdefault(rep.nodeid, {"nodeid": rep.nodeid, "outcome": "passed", "duration": 0.0,
+                                                   "cycles": []})
+    entry["duration"] += rep.duration
+    if rep.failed:
+        entry["outcome"] = "failed" if rep.when == "call" else "error"
+    elif rep.skipped and entry["outcome"] == "passed":
+        entry["outcome"] = "xfailed" if hasattr(rep, "wasxfail") else "skipped"
+    elif rep.when == "call" and hasattr(rep, "wasxfail"):
+        entry["outcome"] = "xpassed"
+    for name, value in rep.user_properties:
+        if name == CYCLES:
+            entry["cycles"] = json.loads(value)
+        elif name == FINDINGS:
+            entry["sanitizer"] = json.loads(value)
+        elif name == SNAPSHOT:
+            entry["memory_snapshot"] = value
+        elif name == STRICT_FAILURE:
+            entry["strict_failure"] = True
+
+
+def rows(state: dict) -> list[tuple[str, dict]]:
+    return [(t["nodeid"], c) for t in state["tests"].values() for c in t["cycles"]]
+
+
+def totals(state: dict) -> dict[str, int]:
+    cycles = rows(state)
+    out = {"tests": len(state["tests"]), "cycles": len(cycles)}
+    for v in VERDICTS:
+        out[v] = sum(1 for _, c in cycles if c.get("verdict") == v)
+    out["failed_cycles"] = sum(1 for _, c in cycles if c.get("failed"))
+    out["lifecycle_failures"] = sum(
+        1 for t in state["tests"].values()
+        if t["outcome"] in ("failed", "error") and (any(c.get("failed") for c in t["cycles"]) or t.get("strict_failure")))
+    return out
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def write(path: str, s: dict, state: dict, exitstatus: int) -> None:
+    report = {
+        "meta": {
+            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "torch": _version("torch"),
+            "backend": s["backend"],
+            "effective_backend": s.get("effective_backend"),
+            "gpus": s.get("gpus"),
+            "start_method": s.get("start_method_effective"),
+            "sanitize": s["sanitize"],
+            "max_growth": s["max_growth"],
+            "exitstatus": int(exitstatus),
+        },
+        "tests": list(state["tests"].values()),
+        "totals": totals(state),
+    }
+    png = timeline_png(rows(state), path)
+    if png:
+        report["meta"]["timeline_png"] = png
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(report, f, indent=1)
+    os.replace(tmp, path)
+
+
+def timeline_png(cycles: list[tuple[str, dict]], report_path: str) -> str | None:
+    """Pool bytes across engine cycles, next to the JSON report, when matplotlib is installed."""
+    if not cycles:
+        return None
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    xs = list(range(len(cycles)))
+    mib = 2**20
+    fig, ax = plt.subplots(figsize=(max(6, len(cycles) * 0.4), 3.5))
+    ax.plot(xs, [c.get("pool_bytes", 0) / mib for _, c in cycles], "o-", label="graph pool bytes before release")
+    ax.plot(xs, [c.get("held_bytes", 0) / mib for _, c in cycles], "s--", label="held by the caller's output")
+    ax.plot(xs, [c.get("leaked_bytes", 0) / mib for _, c in cycles], "x-", color="red", label="leaked")
+    ax.plot(xs, [c.get("growth_bytes", 0) / mib for _, c in cycles], "^:", label="default-pool growth")
+    for x, (_, c) in zip(xs, cycles):
+        if c.get("failed"):
+            ax.axvline(x, color="red", alpha=0.2)
+    ax.set_xlabel("engine cycle (in test order)")
+    ax.set_ylabel("MiB")
+    ax.set_title("cudagraph lifecycle: memory per engine cycle")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = os.path.splitext(report_path)[0] + ".png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -1,0 +1,166 @@
+"""``engine_sequence``: engines built one after another in ONE reused worker (or on every rank of reused
+MPI ranks), each judged after its release from what the process observed its graphs capture into."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from .assertions import EngineCycleError, check_record
+from .mpi import MPIRanks, RankError
+from .report import CYCLES, SNAPSHOT
+from .worker import RemoteError, ReusedWorker, WorkerCrashed, WorkerTimeout
+
+OUTPUTS = ("hold", "drop")
+
+
+def _dump_snapshot(backend: str, path: str) -> str | None:
+    """Runs in the worker: the allocator's memory snapshot (PyTorch's memory visualizer opens it)."""
+    from cudagraph_lifecycle.backends import get_backend
+
+    return get_backend(backend).dump_snapshot(path)
+
+
+def _run_cycle(*args: Any, **kwargs: Any) -> list[dict]:
+    from cudagraph_lifecycle.cycle import run_cycle
+
+    return run_cycle(*args, **kwargs)
+
+
+def _finish(backend: str) -> list[dict]:
+    from cudagraph_lifecycle.cycle import finish_sequence
+
+    return finish_sequence(backend)
+
+
+class EngineSequence:
+    """``engine_sequence(factory, n, output="hold")``: n engines one after another in one reused worker.
+
+    Each engine is built by ``factory(backend)`` in the worker, captured, run and compared with eager,
+    released, and judged (``fresh``, ``held``, ``leaked``, ``stale``, ``reused``; see the README). The caller
+    holds each engine's output (``output="hold"``) until the next engine has captured, or copies it out
+    (``"drop"``). The records go to the terminal summary, the JSON report and the JUnit properties; a failed
+    cycle, a crash or the allocator's assert raises :class:`EngineCycleError` naming the engine (unless
+    ``check=False``).
+    """
+
+    def __init__(self, request: pytest.FixtureRequest, default_n: int, worker: ReusedWorker | MPIRanks,
+                 settings: dict[str, Any]):
+        self._request = request
+        self._default_n = default_n
+        self.worker = worker  # a ReusedWorker, or MPIRanks (every call runs on every rank)
+        self.backend = settings["backend"]
+        self._settings = settings
+        self.records: list[dict] = []
+
+    def _call(self, fn, *args, **kwargs) -> list[tuple[int | None, int | None, Any]]:
+        if isinstance(self.worker, MPIRanks):
+            return self.worker.call_all(fn, *args, **kwargs)
+        return [(None, self.worker.pid, self.worker.call(fn, *args, **kwargs))]
+
+    def _snapshot(self) -> None:
+        """On CUDA, dump the worker's memory snapshot; its path goes into the report."""
+        if isinstance(self.worker, MPIRanks):
+            return  # one snapshot per rank would need a path per rank; the records name the rank instead
+        folder = self._settings.get("report")
+        folder = os.path.join(os.path.dirname(folder), "cudagraph-snapshots") if folder else tempfile.gettempdir()
+        name = re.sub(r"[^A-Za-z0-9_.-]+", "_", self._request.node.nodeid)[-120:]
+        try:
+            path = self.worker.call(_dump_snapshot, self.backend, os.path.join(folder, f"{name}.pickle"))
+        except Exception:
+            return
+        if path:
+            self._request.node.user_properties.append((SNAPSHOT, path))
+
+    def _publish(self) -> None:
+        props = self._request.node.user_properties
+        props[:] = [p for p in props if p[0] != CYCLES]
+        props.append((CYCLES, json.dumps(self.records)))
+
+    def _merge(self, rank: int | None, recs: list[dict]) -> list[dict]:
+        """Add or replace records (a later call may complete an earlier engine's verdict)."""
+        out = []
+        for rec in recs:
+            rec["rank"] = rank
+            for i, old in enumerate(self.records):
+                if old["index"] == rec["index"] and old.get("rank") == rank:
+                    self.records[i] = rec
+                    break
+            else:
+                self.records.append(rec)
+            out.append(rec)
+        return out
+
+    def _crash_record(self, i: int, e: Exception) -> dict:
+        kind = type(e).__name__
+        first = str(e).strip().splitlines()[0] if str(e).strip() else kind
+        stale = "use_count > 0" in str(e) or "StalePoolError" in str(e)
+        return {"index": i, "pid": getattr(self.worker, "pid", None), "rank": None, "backend": self.backend,
+                "engine": f"{self._request.node.nodeid} [engine {i}]", "verdict": "stale" if stale else "error",
+                "failed": True, "pool_ids": [], "problems": [{"kind": "stale" if stale else "error",
+                                                              "message": f"{kind}: {first}", "bytes": 0, "stacks": []}]}
+
+    def __call__(self, factory: Callable[[Any], Any], n: int | None = None, *, check: bool = True,
+                 output: str = "hold", atol: float = 1e-4) -> list[dict]:
+        from cudagraph_lifecycle.errors import ConfigError
+
+        n = self._default_n if n is None else n
+        if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
+            raise ConfigError(f"engine_sequence(n={n!r}): give n >= 1 engines")
+        if not callable(factory):
+            raise ConfigError(f"engine_sequence needs a factory callable(backend) -> engine, got {factory!r}")
+        if output not in OUTPUTS:
+            raise ConfigError(f"engine_sequence(output={output!r}): choose 'hold' (the caller keeps the last "
+                              "output, a view into the pool) or 'drop' (the caller copies it out)")
+        s = self._settings
+        start = len(self.records)
+        first = max((r["index"] for r in self.records), default=-1) + 1
+        mine: list[dict] = []
+        try:
+            for i in range(first, first + n):
+                try:
+                    results = self._call(_run_cycle, factory, self.backend, i, atol, output,
+                                         self._request.node.nodeid, s["sanitize"] == "strict", s["max_growth"])
+                except RemoteError as e:
+                    if e.type_name == "ConfigError":  # the engine or its factory is the wrong shape
+                        raise ConfigError(e.remote_message) from None
+                    raise self._fail(i, e) from None
+                except (RankError, WorkerCrashed, WorkerTimeout) as e:
+                    raise self._fail(i, e) from None
+                for rank, _pid, recs in results:
+                    mine += self._merge(rank, recs)
+                self._publish()
+                for rec in [r for r in self.records[start:] if r["index"] == i]:
+                    if rec.get("poisoned"):
+                        self.worker.restart_before_next_call()
+                    if check and rec.get("failed"):
+                        self._snapshot()
+                        self._finish()
+                        check_record(rec)
+            self._finish()
+            if check:
+                for rec in self.records[start:]:
+                    check_record(rec)
+        finally:
+            self._publish()
+        return self.records[start:]
+
+    def _finish(self) -> None:
+        try:
+            for rank, _pid, recs in self._call(_finish, self.backend):
+                self._merge(rank, recs)
+        except (RemoteError, RankError, WorkerCrashed, WorkerTimeout):
+            pass  # the engine's own failure is what the test reports
+
+    def _fail(self, i: int, e: Exception) -> EngineCycleError:
+        self.records.append(self._crash_record(i, e))
+        if not isinstance(e, (WorkerCrashed, WorkerTimeout)):
+            self._snapshot()
+        self._publish()
+        return EngineCycleError(f"engine {i} of the sequence failed in the reused worker: {e}")

@@ -1,0 +1,59 @@
+"""The plugin's terminal sections: one row per engine cycle with its verdict, and the sanitizer's findings."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .report import VERDICTS, rows, totals
+
+
+def _who(c: dict) -> str:
+    pid = str(c.get("pid") or "-")
+    return pid if c.get("rank") is None else f"{pid}/r{c['rank']}"
+
+
+def _mib(n: int) -> str:
+    return "0" if not n else f"{n / 2**20:.1f}M" if n >= 2**20 else f"{n}B"
+
+
+def lifecycle_section(tr: Any, state: dict, backend: str | None) -> None:
+    cycles = rows(state)
+    if not cycles:
+        return
+    tr.section("cudagraph lifecycle")
+    tr.write_line(f"{'test':<44} {'#':>2} {'pid/rank':>9} {'pools':>9} {'graphs':>6} {'capture ms':>10} "
+                  f"{'pool':>7} {'held':>7} {'leaked':>7} {'growth':>7} verdict")
+    for nodeid, c in cycles:
+        pools = ",".join(f"{p[1][0]}:{p[1][1]}" for p in c.get("pool_ids") or []) or "-"
+        name = nodeid if len(nodeid) <= 44 else "…" + nodeid[-43:]
+        verdict = c.get("verdict", "?") + (" FAILED" if c.get("failed") else "")
+        tr.write_line(
+            f"{name:<44} {c['index']:>2} {_who(c):>9} {pools:>9} {c.get('graphs', 0):>6} "
+            f"{c.get('capture_ms', 0.0):>10.1f} {_mib(c.get('pool_bytes', 0)):>7} {_mib(c.get('held_bytes', 0)):>7} "
+            f"{_mib(c.get('leaked_bytes', 0)):>7} {_mib(c.get('growth_bytes', 0)):>7} {verdict}"
+        )
+        for p in c.get("problems") or []:
+            first = p["message"].strip().splitlines()[0] if p["message"].strip() else p["kind"]
+            tr.write_line(f"{'':<48}! {p['kind']}: {first}")
+    t = totals(state)
+    counts = ", ".join(f"{t[v]} {v}" for v in VERDICTS if t[v] or v in ("fresh", "held"))
+    tr.write_line(f"{t['cycles']} engine cycles: {counts}; {t['failed_cycles']} failed; "
+                  f"{t['lifecycle_failures']} test(s) failed for lifecycle reasons; backend {backend}")
+
+
+def findings_section(tr: Any, state: dict) -> None:
+    """The sanitizer's findings, in the test process and in the workers' engine cycles (``on`` reports them
+    here and in the JSON; ``strict`` also fails the test)."""
+    found = [(t["nodeid"], f) for t in state["tests"].values() for f in t.get("sanitizer") or []]
+    found += [(nodeid, f) for nodeid, c in rows(state) for f in c.get("sanitizer") or []]
+    if not found:
+        return
+    tr.section("cudagraph sanitizer")
+    for nodeid, f in found:
+        made = f" (made by {f['engine']})" if f.get("engine") and f["engine"] != nodeid else ""
+        tr.write_line(f"{nodeid}: {f['kind']}: pool {tuple(f['pool_id'])} on device {f['device']}, "
+                      f"{f['bytes']} bytes{made}: {f['message']}")
+        for stack in f.get("stacks") or []:
+            for line in stack.rstrip().splitlines()[-4:]:  # the innermost frames; the JSON keeps the whole stack
+                tr.write_line(f"    {line}")
+    tr.write_line(f"{len(found)} sanitizer finding(s)")

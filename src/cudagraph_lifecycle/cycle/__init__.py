@@ -1,0 +1,154 @@
+"""One engine cycle in a reused process: build, capture, compare with eager, release, settle, judge; and
+the end of a sequence. Pure library code: the pytest plugin runs it inside its reused workers.
+
+The engine protocol is in ``engine.py``, the verdicts in ``record.py``, the steps in ``steps.py``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+from .. import observe
+from ..backends import Backend, get_backend
+from ..errors import ConfigError
+from ..ledger import ledger
+from ..sanitizer import global_sanitizer
+from .caller import OUTPUT_MODES, caller_copy, caller_of
+from .engine import PROTOCOL, Engine, check_pool_ids
+from .record import FAILING, STRICT_FAILING, VERDICTS, CycleRecord, Problem
+from .steps import build, capture, check_held, exercise, failed, judge, settle
+
+_observing = False
+
+
+def _observe_for_life() -> None:
+    """Engine verdicts read the ledger: hold the observation layer for the rest of the process."""
+    global _observing
+    if not _observing:
+        observe.acquire()
+        _observing = True
+
+
+def _forget_observing() -> None:
+    global _observing
+    _observing = False
+
+
+os.register_at_fork(after_in_child=_forget_observing)
+
+
+def run_cycle(
+    factory: Callable[[Backend], Any],
+    backend: str | Backend = "auto",
+    index: int = 0,
+    atol: float = 1e-4,
+    output: str = "hold",
+    test: str | None = None,
+    strict: bool = False,
+    max_growth: int | None = None,
+) -> list[dict[str, Any]]:
+    """Build one engine with ``factory(backend)``, exercise it, release it, and judge its graph pools.
+
+    ``output="hold"`` plays a caller that keeps the engine's last output (a view into its pool) until the
+    next engine has captured: the hazard that turns a kept pool id into the allocator's assert. ``"drop"``
+    plays a caller that copies the output out and drops the view. Returns the records this call completed,
+    as dicts: the previous engine's (hold: judged now that its output was dropped) and this one's.
+    """
+    if output not in OUTPUT_MODES:
+        raise ConfigError(f"output={output!r}: choose one of {', '.join(OUTPUT_MODES)}")
+    be = get_backend(backend)
+    _observe_for_life()
+    caller = caller_of(be)
+    if not caller.prewarmed:
+        be.prewarm(0)  # library workspaces are per process: create them before the first baseline
+        caller.prewarmed = True
+    label = f"{test or 'engine sequence'} [engine {index}]"
+    rec = CycleRecord(index=index, pid=os.getpid(), backend=be.name, engine=label, strict=strict)
+    done: list[CycleRecord] = []
+    settle(be)
+    default_before = be.default_pool_reserved(0)
+    since = ledger.seq
+    engine = y = declared = None
+    with ledger.engine_scope(label):
+        try:
+            engine = build(factory, be)
+            capture(engine, rec)
+        except ConfigError:
+            raise
+        except Exception as e:
+            failed(e, rec, be, since, "capture" if engine is not None else "build")
+        if rec.poisoned:  # nothing more can run on this allocator: the worker is replaced
+            return [r.as_dict() for r in done] + [rec.as_dict()]
+        previous = check_held(be, caller, set(ledger.pools_of_scope(be.world, label)))
+        if previous is not None:
+            done.append(previous)
+        if engine is not None and not rec.failed:
+            try:
+                y = exercise(engine, rec, atol)
+                declared = engine.declared_pools()
+            except ConfigError:
+                raise
+            except Exception as e:
+                failed(e, rec, be, since, "run")
+            rec.pool_bytes = sum(be.pool_state(k[2], k[1]).reserved_bytes
+                                 for k in ledger.pools_of_scope(be.world, label))
+        if engine is not None and not rec.poisoned:
+            try:
+                engine.release()
+            except Exception as e:
+                failed(e, rec, be, since, "release")
+            left = [g for g in ledger.live_graphs(be.world) if g.scope == label]
+            if left:
+                rec.add("release_incomplete",
+                        f"release() left {len(left)} graph(s) captured: they are reset only when the engine object "
+                        "is garbage-collected, so a caller that keeps the engine keeps its pools")
+    if rec.poisoned:
+        return [r.as_dict() for r in done] + [rec.as_dict()]
+    kept = y if output == "hold" else (None if y is None else caller_copy(y))
+    del engine, y
+    settle(be)
+    pools = judge(be, rec, kept, output == "hold", declared)
+    rec.growth_bytes = be.default_pool_reserved(0) - default_before
+    if max_growth is not None and rec.growth_bytes > max_growth:
+        rec.add("growth_over_budget", f"the default pool grew by {rec.growth_bytes} bytes over this engine, above "
+                                      f"the budget of {max_growth} bytes (--cudagraph-max-growth)", rec.growth_bytes)
+    san = global_sanitizer()
+    if san is not None and san.backend.world == be.world:
+        # pinned pools and unreleased graphs are in the verdict already; what else the sanitizer saw:
+        found = [f for f in san.findings() if f.engine == label and f.kind == "pool_never_retired"]
+        rec.sanitizer = [f.as_dict() for f in found]
+        for f in found:
+            rec.add("sanitizer", f"sanitizer {f.kind}: {f.message}", f.bytes)
+    if output == "hold":
+        caller.held, caller.held_pools, caller.held_record = kept, pools, rec
+    else:
+        caller.kept = kept
+    done.append(rec)
+    return [r.as_dict() for r in done]
+
+
+def finish_sequence(backend: str | Backend = "auto") -> list[dict[str, Any]]:
+    """End of a sequence: drop what the caller held or kept, and judge the last held engine's pools."""
+    be = get_backend(backend)
+    caller = caller_of(be)
+    caller.kept = None
+    rec = check_held(be, caller, set())
+    return [] if rec is None else [rec.as_dict()]
+
+
+__all__ = [
+    "FAILING",
+    "OUTPUT_MODES",
+    "PROTOCOL",
+    "STRICT_FAILING",
+    "VERDICTS",
+    "CycleRecord",
+    "Engine",
+    "Problem",
+    "check_pool_ids",
+    "finish_sequence",
+    "run_cycle",
+    "settle",
+]

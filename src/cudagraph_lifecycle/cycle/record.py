@@ -1,0 +1,101 @@
+"""What one engine cycle found: a verdict about its graph pools, typed problems, and the figures.
+
+Verdicts (about graph pools only; one per engine):
+
+* ``fresh``: every pool it captured into is gone after release;
+* ``held``: its pools hold only what the caller's output pins (expected; the pool must be empty once that
+  output is dropped, which the next cycle checks);
+* ``leaked``: bytes of its pools stay pinned by something other than the caller's output (a module global,
+  the autograd history of a copy, a workspace), or a graph was never reset;
+* ``stale``: a capture into a dead pool (``StalePoolError`` with the sanitizer on, the allocator's
+  ``use_count > 0`` assert with it off);
+* ``reused``: it captured into a pool id an earlier, released engine captured into: a latent stale handle
+  even when nothing pinned the pool this time;
+* ``error``: the engine raised something else (the cycle could not judge its pools).
+
+Default-pool growth (weights, workspaces, per-stream caches) is measured and shown, never a verdict.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+VERDICTS = ("fresh", "held", "leaked", "stale", "reused", "error")
+# problem kinds that fail a cycle always, and those that fail it only in strict mode
+FAILING = ("stale", "leaked", "graphs_not_reset", "replay_mismatch", "growth_over_budget", "error")
+STRICT_FAILING = ("reused", "pool_ids_mismatch", "release_incomplete", "sanitizer")
+
+
+@dataclass
+class Problem:
+    kind: str
+    message: str
+    bytes: int = 0
+    stacks: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class CycleRecord:
+    index: int
+    pid: int
+    backend: str
+    engine: str  # the engine scope: the test and the engine's index
+    verdict: str = "fresh"
+    failed: bool = False
+    strict: bool = False
+    pool_ids: list[list] = field(default_factory=list)  # observed: [[device, [a, b]], ...]
+    declared_pool_ids: list[list] | None = None  # what the engine's pool_ids() (or runner) said
+    graphs: int = 0  # captures observed in this engine's scope
+    capture_ms: float = 0.0
+    replay_max_abs_err: float | None = None
+    pool_bytes: int = 0  # its pools' bytes before release
+    held_bytes: int = 0  # after release, pinned by the output the caller holds
+    leaked_bytes: int = 0
+    growth_bytes: int = 0  # default-pool growth from before the build to after the settle
+    poisoned: bool = False  # the allocator asserted: this process cannot use CUDA any more
+    problems: list[Problem] = field(default_factory=list)
+    sanitizer: list[dict] = field(default_factory=list)
+
+    def add(self, kind: str, message: str, nbytes: int = 0, stacks: list[str] | None = None) -> None:
+        self.problems.append(Problem(kind, message, nbytes, list(stacks or [])))
+        self.settle_verdict()
+
+    def settle_verdict(self) -> None:
+        """The verdict from the problems (stale > error > leaked > reused > held > fresh), and whether the
+        cycle fails (``strict`` fails reuse, pool_ids mismatches and sanitizer findings too)."""
+        kinds = {p.kind for p in self.problems}
+        if "stale" in kinds:
+            self.verdict = "stale"
+        elif "error" in kinds:
+            self.verdict = "error"
+        elif kinds & {"leaked", "graphs_not_reset"}:
+            self.verdict = "leaked"
+        elif "reused" in kinds:
+            self.verdict = "reused"
+        elif self.held_bytes:
+            self.verdict = "held"
+        else:
+            self.verdict = "fresh"
+        failing = set(FAILING) | (set(STRICT_FAILING) if self.strict else set())
+        self.failed = bool(kinds & failing)
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["problems"] = [p.as_dict() for p in self.problems]
+        return d
+
+
+def amend(record: dict[str, Any], leaked_bytes: int, message: str) -> dict[str, Any]:
+    """Apply what a later check found about an earlier cycle (as a dict, the form records travel in): its
+    pools kept ``leaked_bytes`` once the caller's output was dropped."""
+    rec = CycleRecord(**{k: v for k, v in record.items() if k not in ("problems",)},
+                      problems=[Problem(**p) for p in record.get("problems", [])])
+    if leaked_bytes:
+        rec.leaked_bytes += leaked_bytes
+        rec.held_bytes = max(0, rec.held_bytes - leaked_bytes)
+        rec.add("leaked", message, leaked_bytes)
+    return rec.as_dict()

@@ -1,0 +1,173 @@
+"""The steps of one engine cycle: build, capture, compare with eager, release, settle, judge.
+
+Each step adds typed problems to the cycle's record; the verdict follows from them (``record.py``). What
+an engine captured into is read from the ledger (``observe`` watches the graph API), never asked of the
+engine: its ``pool_ids()`` is only cross-checked.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..backends import Backend
+from ..errors import ConfigError, StalePoolError
+from ..ledger import Key, ledger
+from ..trees import leaves
+from .caller import Caller
+from .engine import Engine
+from .record import CycleRecord
+
+ASSERT_MARKERS = ("use_count > 0", "INTERNAL ASSERT FAILED")
+
+
+def settle(be: Backend) -> None:
+    """What a reused process does between engines: collect garbage (engines often hold reference cycles,
+    whose weights come back only at a collection), wait for the device, and flush both allocators' caches."""
+    gc.collect()
+    be.synchronize()
+    be.empty_cache()
+    be.host_empty_cache()
+
+
+def build(factory: Callable[[Backend], Any], be: Backend) -> Engine:
+    if not callable(factory):
+        raise ConfigError(f"the engine factory must be callable(backend) -> engine, got {factory!r}")
+    return Engine(factory(be))
+
+
+def capture(engine: Engine, rec: CycleRecord) -> None:
+    if engine.capture is None:
+        return  # captured by the first run
+    t0 = time.perf_counter()
+    engine.capture()
+    rec.capture_ms = (time.perf_counter() - t0) * 1e3
+
+
+def exercise(engine: Engine, rec: CycleRecord, atol: float) -> Any:
+    """Run the example input (capturing first if the engine captures lazily) and compare with eager."""
+    if engine.example_input is None:
+        return None
+    x = engine.example_input()
+    t0 = time.perf_counter()
+    y = engine.run(x)
+    if engine.capture is None:
+        rec.capture_ms = (time.perf_counter() - t0) * 1e3
+    if engine.eager is not None:
+        err = max_abs_err(y, engine.eager(x))
+        rec.replay_max_abs_err = err
+        if not err <= atol:  # NaN fails too
+            rec.add("replay_mismatch", f"replay differs from eager by {err:.3g} > atol {atol}")
+    return y
+
+
+def max_abs_err(a: Any, b: Any) -> float:
+    fa = [t for t in leaves(a) if isinstance(t, torch.Tensor)]
+    fb = [t for t in leaves(b) if isinstance(t, torch.Tensor)]
+    if len(fa) != len(fb):
+        raise ConfigError(f"replay returned {len(fa)} tensor(s), eager(x) {len(fb)}: they must return the same")
+    errs = [float((x.detach().float() - y.detach().float()).abs().max()) if x.numel() else 0.0
+            for x, y in zip(fa, fb)]
+    return max(errs, default=0.0)
+
+
+def failed(e: BaseException, rec: CycleRecord, be: Backend, since: int, step: str) -> None:
+    """An engine step raised: a capture into a dead pool is ``stale`` (named from the ledger), the rest
+    ``error``. The allocator's own assert poisons the process."""
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    attempts = ledger.stale_since(since, be.world)
+    asserted = not isinstance(e, StalePoolError) and any(m in str(e) for m in ASSERT_MARKERS)
+    if isinstance(e, StalePoolError) or asserted:
+        a = attempts[-1] if attempts else None
+        if asserted:
+            rec.poisoned = True
+        if a is not None and [a.key[1], list(a.key[2])] not in rec.pool_ids:
+            rec.pool_ids.append([a.key[1], list(a.key[2])])
+        if isinstance(e, StalePoolError):
+            msg = f"StalePoolError: {e}"
+        else:
+            msg = f"the allocator asserted during {step}: {first}"
+            if a is not None:
+                msg += (f" -- a capture into pool {a.key[2]} on device {a.key[1]}, dead since its last graph was "
+                        f"released{f' (made by {a.owner})' if a.owner else ''}\n--- pool minted at ---\n"
+                        f"{a.minted_at or '(not seen)'}--- its last graph was released at ---\n{a.released_at or '(not seen)'}")
+        rec.add("stale", msg)
+        return
+    rec.add("error", f"{type(e).__name__} during {step}: {first}")
+
+
+def check_held(be: Backend, caller: Caller, current: set[Key]) -> CycleRecord | None:
+    """Drop the output the caller held from the previous engine, and judge that engine's pools now: bytes
+    still there are not the output's. Pools the current engine captured into are left out (they are
+    judged as reused)."""
+    rec = caller.held_record
+    if rec is None:
+        return None
+    pools = [k for k in caller.held_pools if k not in current]
+    caller.held = None
+    caller.held_record, caller.held_pools = None, []
+    settle(be)
+    left = sum(be.pool_state(k[2], k[1]).reserved_bytes for k in pools)
+    if left:
+        rec.held_bytes = max(0, rec.held_bytes - left)
+        rec.leaked_bytes += left
+        rec.add("leaked", f"once the caller dropped this engine's output, its pools "
+                          f"{[k[2] for k in pools]} still held {left} bytes: something else pins them",
+                left, _stacks(be, pools))
+    else:
+        rec.settle_verdict()
+    return rec
+
+
+def _stacks(be: Backend, pools: list[Key]) -> list[str]:
+    return [b.stack for k in pools for b in be.live_blocks(k[2], k[1]) if b.stack][:8]
+
+
+def judge(be: Backend, rec: CycleRecord, output: Any, hold: bool, declared: list | None) -> list[Key]:
+    """After release and settle: the engine's pools from the ledger, their bytes, reuse, the cross-check.
+    Returns the pools (the caller's next check reads them)."""
+    label = rec.engine
+    keys = ledger.pools_of_scope(be.world, label)
+    rec.pool_ids += [[k[1], list(k[2])] for k in keys if [k[1], list(k[2])] not in rec.pool_ids]
+    rec.graphs = ledger.captures_in(label)
+    not_reset = [g for g in ledger.live_graphs(be.world) if g.scope == label]
+    if not_reset:
+        rec.add("graphs_not_reset",
+                f"{len(not_reset)} graph(s) captured by this engine were never reset: something still holds "
+                "them after release (a module global, a cache of graphs)", 0, [str(not_reset[0].captured_at)])
+    left = {k: be.pool_state(k[2], k[1]).reserved_bytes for k in keys}
+    total = sum(left.values())
+    if total and hold and output is not None:
+        rec.held_bytes = total  # judged again once the caller drops it (check_held)
+    elif total:
+        rec.leaked_bytes = total
+        hint = _leak_hint(output)
+        rec.add("leaked", f"after release its pools {[k[2] for k, b in left.items() if b]} still hold {total} "
+                          f"bytes that no output the caller holds pins{hint}", total, _stacks(be, list(keys)))
+    for k in keys:
+        earlier = [s for s in ledger.scopes_of(*k) if s != label]
+        if earlier:
+            rec.add("reused", f"captured into pool {k[2]} on device {k[1]}, which {earlier[0]} captured into "
+                              "and released: a kept pool handle (latent: it asserts once something pins that pool)")
+    if declared is not None:
+        rec.declared_pool_ids = [[d, list(p)] for d, p in declared]
+        seen = {(k[1], k[2]) for k in keys}
+        said = set(declared)
+        if said - seen:
+            rec.add("pool_ids_mismatch", f"pool_ids() names {sorted(said - seen)}, which it did not capture into")
+        if seen - said:
+            rec.add("pool_ids_mismatch", f"pool_ids() hides {sorted(seen - said)}, which it captured into")
+    rec.settle_verdict()
+    return keys
+
+
+def _leak_hint(output: Any) -> str:
+    flat = [t for t in leaves(output) if isinstance(t, torch.Tensor)]
+    if any(t.grad_fn is not None for t in flat):
+        return (" -- its output carries autograd history, so a copy of it keeps the capture's saved activations "
+                "alive: capture (and run) under torch.no_grad() or torch.inference_mode()")
+    return " -- a tensor allocated in its captures outlives the engine (a module global, a cache)"

@@ -1,0 +1,448 @@
+"""The process's one record of graph-pool lifecycles, fed by watching the graph API (``observe``).
+
+For every pool a graph captured into, per allocator world: where its id was minted, which graphs captured
+into it (from which stack, in which engine scope), the device and host use counts the allocator keeps,
+where its last graph was released, whether each allocator has erased it, and which engine scopes captured
+into it over the process's life. The pool handle, the runner, the engine-cycle verdicts, the sanitizer's
+findings and the report all read this one ledger; nothing else keeps pool sets. A forked child starts
+with an empty ledger (its parent's pools belong to the parent's allocator).
+
+Why use counts are kept here and not read from the allocator: most torch builds do not expose them, and
+the ledger sees the same events the allocator does (capture, reset, destruction, MemPool life, cache
+flushes), so it can say a pool is *dead* -- all its graphs released while an allocator still holds it --
+before a capture into it trips ``use_count > 0 INTERNAL ASSERT FAILED``.
+
+Weak-reference callbacks (a graph or MemPool destroyed) only queue an event; the queue is applied under the
+lock at the next ledger operation, so a garbage collection that runs while a query walks the books cannot
+change them underneath it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import sys
+import threading
+import traceback
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+PoolId = tuple[int, int]
+Key = tuple[Any, int, PoolId]  # (allocator world, device, pool id)
+
+STACK_DEPTH = 12  # frames kept per stack
+_REMEMBERED = 4096  # erased pools and unused mints remembered, oldest forgotten first
+
+
+def _line_of(code, lasti: int) -> int:
+    for start, end, line in code.co_lines():
+        if start <= lasti < end and line is not None:
+            return line
+    return code.co_firstlineno
+
+
+# Frames of these files are the machinery's, not the user's: dropped when a stack is shown.
+_OWN_FRAMES = ("cudagraph_lifecycle/observe/", "cudagraph_lifecycle/ledger", "cudagraph_lifecycle/cycle/",
+               "cudagraph_lifecycle/sanitizer/", "pytest_cudagraph/", "/multiprocessing/", "/mpi4py/", "/runpy.py")
+
+
+class Stack:
+    """A call stack taken cheaply and formatted when shown: code objects and instruction offsets, flat
+    (code, offset, code, offset, ...). No line number is decoded and no frame is kept alive: captures are
+    timed, and the capture path takes one of these per graph."""
+
+    __slots__ = ("_frames", "_text")
+
+    def __init__(self, frames: list):
+        self._frames = frames
+        self._text: str | None = None
+
+    @classmethod
+    def here(cls, skip: int = 1) -> Stack:
+        frames: list = []
+        f = sys._getframe(skip + 1)
+        while f is not None and len(frames) < 2 * STACK_DEPTH:
+            frames.append(f.f_code)
+            frames.append(f.f_lasti)
+            f = f.f_back
+        return cls(frames)
+
+    def __str__(self) -> str:
+        if self._text is None:
+            fr = self._frames
+            keep = [
+                traceback.FrameSummary(code.co_filename, _line_of(code, lasti), code.co_name)
+                for code, lasti in reversed(list(zip(fr[0::2], fr[1::2])))
+                if not any(own in code.co_filename.replace(os.sep, "/") for own in _OWN_FRAMES)
+            ][-STACK_DEPTH:]
+            self._text = "".join(traceback.format_list(keep))
+        return self._text
+
+    def __contains__(self, item: str) -> bool:
+        return item in str(self)
+
+
+@dataclass(slots=True, eq=False)
+class GraphEntry:
+    gid: int
+    world: Any
+    pool_id: PoolId | None  # None until capture_end for a capture without a pool argument
+    device: int
+    frames: list  # where it was captured, as Stack keeps them
+    scope: str | None  # the engine scope it was captured in
+    generation: int  # the ledger's generation: entries from before a fork are not this process's
+    seq: int  # ledger sequence number of the capture
+    captured: bool = False  # capture_end succeeded: reset() gives the references back
+    alive: bool = True
+    counted: bool = False  # its references are counted in its pool's entry
+    ref: Any = None  # weak reference to the graph, whose callback sees its destruction
+
+    @property
+    def captured_at(self) -> Stack:
+        return Stack(self.frames)
+
+
+@dataclass(slots=True, eq=False)
+class PoolEntry:
+    world: Any
+    device: int
+    pool_id: PoolId
+    minted_at: Stack | str | None = None
+    held: int = 0  # references held by captured graphs (the device and host allocators count these)
+    device_extra: int = 0  # MemPool objects alive and references taken outside graphs, minus those given back
+    device_alive: bool = False  # the device allocator has books for it
+    host_alive: bool = False  # the host allocator's ledger has the id
+    captures: int = 0
+    graphs: dict[int, GraphEntry] = field(default_factory=dict)  # its graphs still alive
+    released_at: Stack | str | None = None
+    scopes: list[str] = field(default_factory=list)  # engine scopes that captured into it, first first
+    last_seq: int = 0  # ledger sequence number of its latest capture
+    retired: bool = False  # a LazyPool retired it: never to be captured into again
+
+    @property
+    def key(self) -> Key:
+        return (self.world, self.device, self.pool_id)
+
+    @property
+    def device_count(self) -> int:
+        return self.held + self.device_extra
+
+    @property
+    def host_count(self) -> int:
+        return self.held
+
+    @property
+    def dead(self) -> bool:
+        """A capture into it would trip the allocator's ``use_count > 0`` assert."""
+        return (self.device_count <= 0 and self.device_alive) or (self.host_count <= 0 and self.host_alive)
+
+    @property
+    def owner(self) -> str | None:
+        """The engine scope whose capture made the pool."""
+        return self.scopes[0] if self.scopes else None
+
+    def live_graphs(self) -> list[GraphEntry]:
+        return [g for g in list(self.graphs.values()) if g.alive and g.captured]
+
+
+@dataclass(frozen=True)
+class StaleAttempt:
+    """A capture (or allocation) into a dead pool, seen before the allocator ran it."""
+
+    key: Key
+    scope: str | None
+    seq: int
+    owner: str | None
+    minted_at: str
+    released_at: str
+    device_dead: bool
+    host_dead: bool
+
+
+class Ledger:
+    """See the module docstring. One instance per process: :data:`ledger`."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.pools: dict[Key, PoolEntry] = {}
+        self.dead: dict[Key, PoolEntry] = {}  # kept equal to {k: e for e in pools if e.dead} at every change
+        self.graphs: dict[int, GraphEntry] = {}
+        self.minted: OrderedDict[tuple[Any, PoolId], Stack] = OrderedDict()
+        self.retired: set[Key] = set()
+        self.erased: OrderedDict[Key, tuple[list[str], Any]] = OrderedDict()  # scopes and mint site of erased pools
+        self.stale: deque[StaleAttempt] = deque(maxlen=256)
+        self.scope: str | None = None
+        self.captures_by_scope: dict[str, int] = {}
+        self.generation = 0
+        self.pending: deque = deque()  # (callable, args) queued by weak-reference callbacks
+        self._seq = itertools.count(1)
+        self._gids = itertools.count(1)
+        self.seq = 0
+
+    # process lifetime --------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Forget everything (a forked child). Containers are cleared in place: wrappers hold them."""
+        self.lock = threading.RLock()
+        for container in (self.pools, self.dead, self.graphs, self.minted, self.erased, self.stale, self.pending):
+            container.clear()
+        self.retired.clear()
+        self.captures_by_scope.clear()
+        self.scope = None
+        self.generation += 1
+
+    def next_seq(self) -> int:
+        self.seq = next(self._seq)
+        return self.seq
+
+    @contextlib.contextmanager
+    def engine_scope(self, label: str) -> Iterator[None]:
+        """Attribute every capture made inside to ``label`` (an engine of a test)."""
+        previous, self.scope = self.scope, label
+        try:
+            yield
+        finally:
+            self.scope = previous
+
+    def forget_world(self, world: Any) -> None:
+        """An isolated allocator world was destroyed: its pools cannot be captured into again."""
+        with self.lock:
+            self.drain()
+            for store in (self.pools, self.dead, self.erased):
+                for key in [k for k in store if k[0] == world]:
+                    del store[key]
+            self.retired = {k for k in self.retired if k[0] != world}
+            for gid in [gid for gid, g in self.graphs.items() if g.world == world]:
+                del self.graphs[gid]
+            for key in [k for k in self.minted if k[0] == world]:
+                del self.minted[key]
+
+    # the books ---------------------------------------------------------------------------------------
+    def entry(self, world: Any, device: int, pool_id: PoolId) -> PoolEntry:
+        key = (world, device, pool_id)
+        e = self.pools.get(key)
+        if e is None:
+            e = self.pools[key] = PoolEntry(world, device, pool_id)
+            old = self.erased.pop(key, None)
+            if old is not None:  # the allocator created it afresh under an id it had erased
+                e.scopes, e.minted_at = list(old[0]), old[1]
+            else:
+                e.minted_at = self.minted.pop((world, pool_id), None)
+            e.retired = key in self.retired
+        return e
+
+    def restate(self, e: PoolEntry) -> None:
+        """Keep ``dead`` current, and move an entry neither allocator holds any more to ``erased``."""
+        key = e.key
+        if e.dead:
+            self.dead[key] = e
+            return
+        self.dead.pop(key, None)
+        if not (e.device_alive or e.host_alive or e.graphs or e.device_extra):
+            del self.pools[key]
+            self.erased[key] = (e.scopes, e.minted_at)
+            while len(self.erased) > _REMEMBERED:
+                self.erased.popitem(last=False)
+
+    def later(self, fn: Callable[..., None], *args: Any) -> None:
+        """Queue ``fn(*args)`` for the next ledger operation (for weak-reference callbacks); dropped if the
+        process forked in between (the event was the parent's)."""
+        self.pending.append((self._in_generation, (self.generation, fn, args)))
+
+    def _in_generation(self, generation: int, fn: Callable[..., None], args: tuple) -> None:
+        if generation == self.generation:
+            fn(*args)
+
+    def drain(self) -> None:
+        """Apply the events that weak-reference callbacks queued."""
+        pending = self.pending
+        while pending:
+            fn, args = pending.popleft()
+            fn(*args)
+
+    # events (the observation layer calls these) -----------------------------------------------------
+    def note_minted(self, world: Any, pool_id: PoolId, where: Stack) -> None:
+        with self.lock:
+            self.minted[(world, pool_id)] = where
+            while len(self.minted) > _REMEMBERED:
+                self.minted.popitem(last=False)
+            e = self.pools.get((world, 0, pool_id))
+            if e is not None and e.minted_at is None:
+                e.minted_at = where
+
+    def stale_attempt(self, e: PoolEntry) -> StaleAttempt:
+        attempt = StaleAttempt(
+            e.key, self.scope, self.next_seq(), e.owner, str(e.minted_at or ""), str(e.released_at or ""),
+            e.device_count <= 0 and e.device_alive, e.host_count <= 0 and e.host_alive)
+        self.stale.append(attempt)
+        return attempt
+
+    def capture_begun(self, world: Any, device: int, pool: PoolId | None, frames: list) -> GraphEntry:
+        """A capture started (the allocator took its references, even if the capture later fails)."""
+        with self.lock:
+            g = GraphEntry(next(self._gids), world, pool, device, frames, self.scope, self.generation,
+                           self.next_seq())
+            self.graphs[g.gid] = g
+            if pool is not None:
+                self._count(g)
+            return g
+
+    def capture_bound(self, g: GraphEntry, pool: PoolId) -> None:
+        """A capture without a pool argument ended: its graph-minted pool id is readable only now."""
+        with self.lock:
+            g.pool_id = pool
+            self._count(g)
+
+    def _count(self, g: GraphEntry) -> None:
+        e = self.entry(g.world, g.device, g.pool_id)
+        e.device_alive = e.host_alive = True
+        e.held += 1
+        e.captures += 1
+        e.graphs[g.gid] = g
+        e.last_seq = g.seq
+        if g.scope is not None:
+            self.captures_by_scope[g.scope] = self.captures_by_scope.get(g.scope, 0) + 1
+            if g.scope not in e.scopes:
+                e.scopes.append(g.scope)
+        g.counted = True
+        self.restate(e)
+
+    def released(self, g: GraphEntry, where: Stack | str) -> None:
+        """A captured graph was reset: its references go back."""
+        with self.lock:
+            if g.captured:
+                g.captured = False
+                self._give_back(g, where)
+
+    def _give_back(self, g: GraphEntry, where: Stack | str) -> None:
+        if not g.counted:
+            return
+        g.counted = False
+        e = self.entry(g.world, g.device, g.pool_id)
+        e.held -= 1
+        if e.device_count <= 0 or e.host_count <= 0:
+            e.released_at = where
+        self.restate(e)
+
+    def graph_destroyed(self, g: GraphEntry) -> None:
+        """Queued by the graph's weak reference: destruction resets a captured graph."""
+        with self.lock:
+            if not g.alive or g.generation != self.generation:
+                return
+            g.alive = False
+            if g.captured:
+                g.captured = False
+                self._give_back(g, "(the graph object was destroyed)\n")
+            # forget it: a long-lived process (a server that reloads models) must not grow with every capture
+            self.graphs.pop(g.gid, None)
+            if g.pool_id is not None:
+                e = self.pools.get((g.world, g.device, g.pool_id))
+                if e is not None:
+                    e.graphs.pop(g.gid, None)
+                    self.restate(e)
+
+    def replaced(self, old: GraphEntry) -> None:
+        """A graph object captured again after reset: its old entry describes nothing alive."""
+        with self.lock:
+            old.alive = False
+            self.graphs.pop(old.gid, None)
+
+    def pool_reference(self, world: Any, device: int, pool: PoolId, delta: int, where: Stack | str) -> None:
+        """A reference taken (MemPool born, warm-up allocation begun) or given back outside any graph."""
+        with self.lock:
+            e = self.entry(world, device, pool)
+            e.device_extra += delta
+            if delta > 0:
+                e.device_alive = True
+            elif e.device_count <= 0:
+                e.released_at = where
+            self.restate(e)
+
+    def device_flushed(self, world: Any, holds_nothing: Callable[[PoolEntry], bool]) -> None:
+        """``empty_cache`` ran: a pool at use count 0 whose segments are all free is erased."""
+        with self.lock:
+            self.drain()
+            for e in list(self.pools.values()):
+                if e.world == world and e.device_count <= 0 and e.device_alive and holds_nothing(e):
+                    e.device_alive = False
+                    self.restate(e)
+
+    def host_flushed(self, world: Any) -> None:
+        """The host allocator's flush erases its graph pools at use count 0 (captures hold no host block)."""
+        with self.lock:
+            self.drain()
+            for e in list(self.pools.values()):
+                if e.world == world and e.host_count <= 0 and e.host_alive:
+                    e.host_alive = False
+                    self.restate(e)
+
+    def retire(self, world: Any, device: int, pool: PoolId) -> None:
+        """A LazyPool retired the id: it is never to be captured into again."""
+        with self.lock:
+            key = (world, device, pool)
+            self.retired.add(key)
+            e = self.pools.get(key)
+            if e is not None:
+                e.retired = True
+
+    # queries -----------------------------------------------------------------------------------------
+    def snapshot(self, world: Any = None) -> list[PoolEntry]:
+        """The pool entries (of one world, or all), after applying queued events."""
+        with self.lock:
+            self.drain()
+            return [e for e in list(self.pools.values()) if world is None or e.world == world]
+
+    def live_graphs(self, world: Any = None) -> list[GraphEntry]:
+        with self.lock:
+            self.drain()
+            return [g for g in list(self.graphs.values())
+                    if g.alive and g.captured and (world is None or g.world == world)]
+
+    def pool(self, world: Any, device: int, pool: PoolId) -> PoolEntry | None:
+        with self.lock:
+            self.drain()
+            return self.pools.get((world, device, tuple(pool)))
+
+    def scopes_of(self, world: Any, device: int, pool: PoolId) -> list[str]:
+        """Every engine scope that captured into the pool, also after the allocator erased it."""
+        with self.lock:
+            self.drain()
+            key = (world, device, tuple(pool))
+            e = self.pools.get(key)
+            if e is not None:
+                return list(e.scopes)
+            old = self.erased.get(key)
+            return list(old[0]) if old else []
+
+    def pools_of_scope(self, world: Any, scope: str) -> list[Key]:
+        """The pools captured into within an engine scope, whether or not the allocator still holds them."""
+        with self.lock:
+            self.drain()
+            keys = [e.key for e in self.pools.values() if e.world == world and scope in e.scopes]
+            keys += [k for k, (scopes, _) in self.erased.items() if k[0] == world and scope in scopes]
+            return sorted(set(keys), key=lambda k: (k[1], k[2]))
+
+    def captures_in(self, scope: str) -> int:
+        with self.lock:
+            self.drain()
+            return self.captures_by_scope.get(scope, 0)
+
+    def stale_since(self, seq: int, world: Any = None) -> list[StaleAttempt]:
+        with self.lock:
+            return [s for s in self.stale if s.seq > seq and (world is None or s.key[0] == world)]
+
+    def was_minted(self, world: Any, pool: PoolId) -> bool:
+        with self.lock:
+            pool = tuple(pool)
+            return (world, pool) in self.minted or any(k[0] == world and k[2] == pool for k in self.pools) \
+                or any(k[0] == world and k[2] == pool for k in self.erased)
+
+    def is_retired(self, world: Any, device: int, pool: PoolId) -> bool:
+        with self.lock:
+            return (world, device, tuple(pool)) in self.retired
+
+
+ledger = Ledger()
+os.register_at_fork(after_in_child=ledger.reset)

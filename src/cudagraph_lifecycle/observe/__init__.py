@@ -1,0 +1,117 @@
+"""The observation layer: wraps every backend kind's graph API once per process and feeds the ledger.
+
+Reference-counted and idempotent: :func:`acquire` installs the wrappers on the first call, :func:`release`
+restores the originals (the very same objects) when the last holder lets go, in whatever order holders come
+and go. Installing touches only Python attributes, so it can (and should) happen before CUDA initializes:
+the wrappers cost nothing until a graph call. A forked child starts unobserved, with an empty ledger.
+
+Judges: a sanitizer registers one per allocator world (:func:`add_judge`); a capture into a dead pool of
+that world is recorded in the ledger, then handed to the judge, which raises before the allocator would
+assert. Without a judge the capture goes through (and the allocator decides).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+from ..backends import graph_apis
+from ..ledger import ledger
+from . import wrappers
+from .wrappers import Hooks, Judge
+
+_lock = threading.RLock()
+_holders = 0
+_saved: list[tuple[Any, str, Any]] = []  # (owner, name, original or None if inherited), in patch order
+_judges: dict[Any, list[Judge]] = {}
+hooks = Hooks(ledger, _judges)
+
+
+def _patch(owner: Any, name: str, make) -> None:
+    own = name in vars(owner)  # a class may inherit the method: restore by deleting our override then
+    original = getattr(owner, name)
+    _saved.append((owner, name, original if own else None))
+    setattr(owner, name, make(original))
+
+
+def _install() -> None:
+    for api in graph_apis():
+        cls = api.graph_cls
+        _patch(cls, "capture_begin", lambda f, a=api: wrappers.capture_begin(a, hooks, f))
+        _patch(cls, "capture_end", lambda f, a=api: wrappers.capture_end(a, hooks, f))
+        _patch(cls, "reset", lambda f, a=api: wrappers.reset(a, hooks, f))
+        for owner, name, parse in api.handles:
+            _patch(owner, name, lambda f, p=parse: wrappers.handle(p, hooks, f))
+        if api.mempool_cls is not None and api.mempool_parse is not None:
+            _patch(api.mempool_cls, "__init__", lambda f, a=api: wrappers.mempool_init(a, hooks, f))
+        for hook, host in ((api.device_flush, False), (api.host_flush, True)):
+            if hook is not None:
+                owner, name, parse = hook
+                _patch(owner, name, lambda f, p=parse, h=host: wrappers.flush(p, hooks, f, h))
+        for owner, name, parse in api.pool_refs:
+            _patch(owner, name, lambda f, p=parse: wrappers.pool_reference(p, hooks, f))
+
+
+def _uninstall() -> None:
+    while _saved:
+        owner, name, original = _saved.pop()
+        if original is None:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, original)
+
+
+def acquire() -> None:
+    """Hold the observation layer (installing it on the first hold)."""
+    global _holders
+    with _lock:
+        if _holders == 0:
+            _install()
+        _holders += 1
+
+
+def release() -> None:
+    """Let go of one hold; the last one restores the graph API exactly as it was."""
+    global _holders
+    with _lock:
+        if _holders <= 0:
+            return
+        _holders -= 1
+        if _holders == 0:
+            _uninstall()
+
+
+def installed() -> bool:
+    return _holders > 0
+
+
+def add_judge(world: Any, judge: Judge) -> None:
+    with _lock:
+        _judges.setdefault(world, []).append(judge)
+
+
+def remove_judge(world: Any, judge: Judge) -> None:
+    with _lock:
+        rules = _judges.get(world, [])
+        if judge in rules:
+            rules.remove(judge)
+        if not rules:
+            _judges.pop(world, None)
+
+
+def overhead_s() -> float:
+    """Seconds spent inside the capture wrappers themselves since the process started (bench/ reports it)."""
+    return hooks.overhead_s
+
+
+def _after_fork_in_child() -> None:
+    # The parent's holders and judges are not this process's: start unobserved, as a fresh process does.
+    global _holders, _lock
+    _lock = threading.RLock()
+    _uninstall()
+    _holders = 0
+    _judges.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,0 +1,218 @@
+"""The wrappers around one backend kind's graph API: each calls the original and tells the ledger what
+happened. Built from a :class:`~cudagraph_lifecycle.backends.base.GraphAPI`, so the same code watches
+``torch.cuda`` and the simulated allocator.
+
+The capture path is timed (the sanitizer's budget is a few percent of a capture): it checks one dict for
+dead pools, builds one flat stack list, and leaves the rest to the ledger.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from ..backends.base import Backend, GraphAPI
+from ..ledger import STACK_DEPTH as _DEPTH
+from ..ledger import GraphEntry, Ledger, Stack
+
+TAG = "_cudagraph_ledger_entry"  # where a graph carries its ledger entry
+
+# A judge decides what a capture into a dead pool does before the allocator sees it (raise, or let it
+# through): world -> the judges registered for it, the last one rules.
+Judge = Callable[[Any], None]
+
+
+class Hooks:
+    """What every wrapper shares: the ledger, the judges, the worlds seen, and the time spent in wrappers."""
+
+    def __init__(self, ledger: Ledger, judges: dict[Any, list[Judge]]):
+        self.ledger = ledger
+        self.judges = judges
+        self.overhead_s = 0.0
+        self._worlds: set = set()
+        self._entries: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graphs without a __dict__
+
+    def saw(self, be: Backend) -> None:
+        """An isolated world's pools die with it: forget them then."""
+        world = be.world
+        if world not in self._worlds:
+            self._worlds.add(world)
+            weakref.finalize(be, self.ledger.forget_world, world)
+
+    def judge(self, world: Any, device: int, pool: tuple) -> None:
+        """A capture into ``pool``: record and judge it if the pool is dead."""
+        led = self.ledger
+        e = led.dead.get((world, device, pool))
+        if e is None:
+            return
+        with led.lock:
+            attempt = led.stale_attempt(e)
+        rules = self.judges.get(world)
+        if rules:
+            rules[-1](attempt)
+
+    def entry_of(self, graph: Any) -> GraphEntry | None:
+        d = getattr(graph, "__dict__", None)
+        g = d.get(TAG) if d is not None else self._entries.get(graph)
+        return g if g is not None and g.generation == self.ledger.generation else None
+
+    def tag(self, graph: Any, g: GraphEntry) -> None:
+        d = getattr(graph, "__dict__", None)
+        if d is not None:
+            old = d.get(TAG)
+            d[TAG] = g
+        else:
+            old = self._entries.get(graph)
+            self._entries[graph] = g
+        if old is not None and old.generation == g.generation:
+            self.ledger.replaced(old)
+        led = self.ledger
+        g.ref = weakref.ref(graph, lambda _r, g=g: led.later(led.graph_destroyed, g))
+
+
+def _frames(skip: int) -> list:
+    frames: list = []
+    f = sys._getframe(skip)
+    while f is not None and len(frames) < 2 * _DEPTH:
+        frames.append(f.f_code)
+        frames.append(f.f_lasti)
+        f = f.f_back
+    return frames
+
+
+def capture_begin(api: GraphAPI, hooks: Hooks, original):
+    backend_of, device_of = api.graph_backend, api.capture_device
+    led, clock = hooks.ledger, time.perf_counter
+
+    @functools.wraps(original)
+    def wrapper(graph, pool=None, *args, **kwargs):  # no **kwargs dict built for the common call
+        t0 = clock()
+        be = backend_of(graph)
+        if be is None:
+            return original(graph, pool, *args, **kwargs)
+        world = be.world
+        given = pool  # the original gets the caller's object untouched
+        if pool is not None:
+            pool = tuple(pool)
+            if pool == (0, 0):
+                pool = None
+        device = device_of(graph)
+        if led.pending:
+            with led.lock:
+                led.drain()  # a graph destroyed since the last call may have made the pool dead
+        if pool is not None and led.dead:
+            hooks.judge(world, device, pool)
+        t1 = clock()
+        original(graph, given, *args, **kwargs)
+        t2 = clock()
+        g = led.capture_begun(world, device, pool, _frames(2))
+        hooks.tag(graph, g)
+        hooks.saw(be)
+        hooks.overhead_s += t1 - t0 + clock() - t2
+
+    return wrapper
+
+
+def capture_end(api: GraphAPI, hooks: Hooks, original):
+    led, clock = hooks.ledger, time.perf_counter
+
+    @functools.wraps(original)
+    def wrapper(graph, *args, **kwargs):
+        original(graph, *args, **kwargs)  # on failure the graph keeps its references through reset
+        t0 = clock()
+        g = hooks.entry_of(graph)
+        if g is not None:
+            if g.pool_id is None:
+                led.capture_bound(g, tuple(graph.pool()))
+            g.captured = True
+            hooks.overhead_s += clock() - t0
+
+    return wrapper
+
+
+def reset(api: GraphAPI, hooks: Hooks, original):
+    led = hooks.ledger
+
+    @functools.wraps(original)
+    def wrapper(graph, *args, **kwargs):
+        out = original(graph, *args, **kwargs)
+        g = hooks.entry_of(graph)
+        if g is not None and g.captured:
+            led.released(g, Stack.here())
+        return out
+
+    return wrapper
+
+
+def handle(parse, hooks: Hooks, original):
+    led = hooks.ledger
+
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        result = original(*args, **kwargs)
+        be, pool = parse(args, kwargs, result)
+        if be is not None:
+            led.note_minted(be.world, tuple(pool), Stack.here())
+        return result
+
+    return wrapper
+
+
+def mempool_init(api: GraphAPI, hooks: Hooks, original):
+    led = hooks.ledger
+
+    @functools.wraps(original)
+    def wrapper(mp, *args, **kwargs):
+        original(mp, *args, **kwargs)
+        be, device, pool = api.mempool_parse(mp)
+        if be is None:
+            return
+        where = Stack.here()
+        led.note_minted(be.world, pool, where)
+        led.pool_reference(be.world, device, pool, +1, where)
+        weakref.finalize(mp, led.later, led.pool_reference, be.world, device, pool, -1,
+                         "(the MemPool object was destroyed)\n")
+
+    return wrapper
+
+
+def flush(parse, hooks: Hooks, original, host: bool):
+    """A cache flush: afterwards the pools that allocator erased may be created afresh under their ids."""
+    led = hooks.ledger
+
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        out = original(*args, **kwargs)
+        be = parse(args, kwargs)
+        if be is not None:
+            if host:
+                led.host_flushed(be.world)
+            else:
+                led.device_flushed(be.world, lambda e: be.pool_state(e.pool_id, e.device).reserved_bytes == 0)
+        return out
+
+    return wrapper
+
+
+def pool_reference(parse, hooks: Hooks, original):
+    """A reference taken or given back outside a graph (cudagraph trees' warm-up allocations, a failed
+    capture's reference given back by hand). Taking one into a dead pool asserts like a capture."""
+    led = hooks.ledger
+
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        parsed = parse(args, kwargs)
+        if parsed is None:
+            return original(*args, **kwargs)
+        be, device, pool, delta = parsed
+        if delta > 0 and led.dead:
+            hooks.judge(be.world, device, pool)
+        out = original(*args, **kwargs)
+        led.pool_reference(be.world, device, pool, delta, Stack.here())
+        return out
+
+    return wrapper

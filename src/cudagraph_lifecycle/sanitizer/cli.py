@@ -1,0 +1,33 @@
+"""``python -m cudagraph_lifecycle.sanitizer PROGRAM.py [ARGS...]``: run a program under the sanitizer."""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+
+from .env import install_from_env
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: python -m cudagraph_lifecycle.sanitizer PROGRAM.py [ARGS...]\n"
+              "  CUDAGRAPH_SANITIZE=strict makes findings fail the run; CUDAGRAPH_SANITIZE_BACKEND picks the "
+              "backend (auto, cuda, sim)", file=sys.stderr)
+        return 2 if not argv else 0
+    if not os.path.isfile(argv[0]):
+        print(f"cudagraph sanitizer: no such program file: {argv[0]}", file=sys.stderr)
+        return 2
+    env = dict(os.environ)
+    env["CUDAGRAPH_SANITIZE"] = env.get("CUDAGRAPH_SANITIZE") or "on"
+    san = install_from_env(env)
+    sys.argv = argv
+    try:
+        runpy.run_path(argv[0], run_name="__main__")
+    finally:
+        found = san.findings()
+        for f in found:
+            engine = f" (made by {f.engine})" if f.engine else ""
+            print(f"cudagraph sanitizer: {f.kind}{engine}: {f.message}", file=sys.stderr)
+    return 1 if found and san.mode == "strict" else 0

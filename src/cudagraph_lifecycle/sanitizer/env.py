@@ -1,0 +1,40 @@
+"""``CUDAGRAPH_SANITIZE=1|on|strict``: one sanitizer for the whole program, installed at import."""
+
+from __future__ import annotations
+
+import os
+
+from ..backends import get_backend
+from ..errors import ConfigError
+from .pool_sanitizer import PoolSanitizer
+
+_global: PoolSanitizer | None = None
+_OFF = ("", "0", "off", "false", "no")
+_ON = ("1", "on", "true", "yes")
+
+
+def install_from_env(environ: dict[str, str] | None = None) -> PoolSanitizer | None:
+    """Install a process-wide sanitizer when ``CUDAGRAPH_SANITIZE`` is ``1``/``on``/``strict``, on the
+    process's backend of kind ``CUDAGRAPH_SANITIZE_BACKEND`` (default ``auto``)."""
+    global _global
+    env = os.environ if environ is None else environ
+    value = env.get("CUDAGRAPH_SANITIZE", "").strip().lower()
+    if value in _OFF:
+        return None
+    if value not in _ON and value != "strict":
+        raise ConfigError(
+            f"CUDAGRAPH_SANITIZE={env.get('CUDAGRAPH_SANITIZE')!r} is not a sanitizer mode: "
+            "set it to 1 (or on), strict, or 0 (off)")
+    mode = "strict" if value == "strict" else "on"
+    kind = env.get("CUDAGRAPH_SANITIZE_BACKEND", "auto").strip() or "auto"
+    try:
+        backend = get_backend(kind)
+    except ConfigError as e:
+        raise ConfigError(f"CUDAGRAPH_SANITIZE_BACKEND={kind!r}: {e}") from None
+    if _global is None or not _global.active:
+        _global = PoolSanitizer(backend, mode=mode).start()
+    return _global
+
+
+def global_sanitizer() -> PoolSanitizer | None:
+    return _global if _global is not None and _global.active else None

@@ -1,0 +1,34 @@
+"""The stale-capture judgment: a capture into a dead pool raises before the allocator sees it."""
+
+from __future__ import annotations
+
+from ..backends import Backend
+from ..errors import StalePoolError
+from ..ledger import StaleAttempt
+
+
+def stale_error(backend: Backend, attempt: StaleAttempt) -> StalePoolError:
+    """The error for a capture into a dead pool: why the pool is dead, where it was minted and released,
+    and which engine made it."""
+    _, device, pool_id = attempt.key
+    why = []
+    if attempt.device_dead:
+        st = backend.pool_state(pool_id, device)
+        why.append(
+            f"the device allocator still holds it ({st.reserved_bytes} bytes in {st.segments} segment(s)"
+            + (": a live tensor from its captures pins it)" if st.reserved_bytes else "; empty_cache has not run)")
+        )
+    if attempt.host_dead:
+        why.append("the host allocator's ledger still has the id (torch._C._host_emptyCache has not run)")
+    made_by = f" It was made by {attempt.owner}." if attempt.owner else ""
+    err = StalePoolError(
+        f"capture into stale pool {tuple(pool_id)} on device {device}: all its graphs were released, but "
+        + " and ".join(why)
+        + ". The real capture_begin would fail with 'use_count > 0 INTERNAL ASSERT FAILED' and poison the "
+        f"process.{made_by} Mint a fresh pool per engine (cudagraph_lifecycle.LazyPool) instead of keeping this "
+        "id.\n"
+        f"--- pool minted at ---\n{attempt.minted_at or '(not seen: minted before observation started)'}"
+        f"--- its last graph was released at ---\n{attempt.released_at or '(not seen)'}"
+    )
+    err.pool_id, err.device, err.owner = tuple(pool_id), device, attempt.owner
+    return err

@@ -1,0 +1,118 @@
+"""The observation layer: installed once per process, reference-counted, restoring the very same graph API
+objects when the last holder stops; and the ledger it feeds stays consistent while garbage collection runs."""
+
+import gc
+import itertools
+
+import pytest
+
+from cudagraph_lifecycle import PoolSanitizer, get_backend, observe
+from cudagraph_lifecycle.backends import graph_apis
+from cudagraph_lifecycle.backends.sim import SimBackend
+from cudagraph_lifecycle.conformance import Ctx
+from cudagraph_lifecycle.ledger import ledger
+
+
+def api_objects():
+    """Every attribute the observation layer may wrap, by identity (vars() tells inherited from own)."""
+    out = {}
+    for api in graph_apis():
+        owners = [(api.graph_cls, n) for n in ("capture_begin", "capture_end", "reset")]
+        owners += [(o, n) for o, n, _ in api.handles] + [(o, n) for o, n, _ in api.pool_refs]
+        owners += [(h[0], h[1]) for h in (api.device_flush, api.host_flush) if h is not None]
+        if api.mempool_cls is not None:
+            owners.append((api.mempool_cls, "__init__"))
+        for owner, name in owners:
+            out[(id(owner), name)] = (vars(owner).get(name), getattr(owner, name))
+    return out
+
+
+@pytest.mark.parametrize("order", list(itertools.permutations(range(3))))
+def test_sanitizers_stopped_in_any_order_restore_the_api_by_identity(order):
+    before = api_objects()
+    sans = [PoolSanitizer("sim").start(), PoolSanitizer(SimBackend()).start(), PoolSanitizer("sim", mode="strict").start()]
+    assert observe.installed() and api_objects() != before
+    for i in order:
+        sans[i].stop()
+        sans[i].stop()  # idempotent
+        assert observe.installed() == any(s.active for s in sans)
+    after = api_objects()
+    assert after.keys() == before.keys()
+    for key in before:
+        assert after[key][0] is before[key][0] and after[key][1] is before[key][1], key
+
+
+def test_acquire_release_nest_with_sanitizers():
+    before = api_objects()
+    observe.acquire()
+    with PoolSanitizer("sim"):
+        pass
+    assert observe.installed()  # the outer hold keeps it
+    observe.release()
+    observe.release()  # one more than held: ignored
+    assert not observe.installed() and api_objects() == before
+
+
+def test_findings_are_safe_while_weak_reference_callbacks_run():
+    """Graphs in reference cycles die inside garbage collections that run during findings()."""
+    be = SimBackend()
+    c = Ctx(be)
+    thresholds = gc.get_threshold()
+    with PoolSanitizer(be) as san:
+        h = be.graph_pool_handle()
+        keep = []
+        for _ in range(40):
+            g = be.new_graph()
+            y = c.step(g, h)
+            g.cycle = g  # only a collection frees it
+            keep.append((g, y))
+        del g, y
+        try:
+            gc.set_threshold(1, 1, 1)
+            for _ in range(3):
+                keep.pop()
+                found = san.findings()
+                assert all(f.kind == "unreleased_graph" for f in found)
+            keep.clear()
+            gc.collect()
+            assert san.findings() == [] and ledger.live_graphs(be.world) == []
+        finally:
+            gc.set_threshold(*thresholds)
+
+
+def test_a_forked_child_starts_unobserved():
+    import multiprocessing as mp
+
+    def child(q):
+        q.put((observe.installed(), len(ledger.pools)))
+
+    with PoolSanitizer("sim"):
+        be = get_backend("sim")
+        g = be.new_graph()
+        y = Ctx(be).step(g, be.graph_pool_handle())  # noqa: F841 - one pool in the parent's ledger
+        ctx = mp.get_context("fork")
+        q = ctx.Queue()
+        p = ctx.Process(target=child, args=(q,))
+        p.start()
+        installed, pools = q.get(timeout=60)
+        p.join(30)
+        g.reset()
+    assert (installed, pools) == (False, 0)
+
+
+def test_capture_into_a_dead_pool_is_recorded_even_without_a_judge():
+    be = SimBackend()
+    c = Ctx(be)
+    observe.acquire()
+    try:
+        h = be.graph_pool_handle()
+        g = be.new_graph()
+        y = c.step(g, h)  # noqa: F841
+        g.reset()
+        since = ledger.seq
+        with pytest.raises(RuntimeError, match="use_count > 0"):  # no sanitizer: the allocator decides
+            c.step(be.new_graph(), h)
+        (attempt,) = ledger.stale_since(since, be.world)
+        assert attempt.key == (be.world, 0, h) and attempt.device_dead and "test_observe.py" in attempt.minted_at
+    finally:
+        observe.release()

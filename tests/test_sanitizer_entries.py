@@ -1,0 +1,85 @@
+"""Every documented way to start the sanitizer watches the process's one simulated allocator: a stale
+capture on ``sim`` is stopped by StalePoolError through each entry point."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from cudagraph_lifecycle import CUDAGraphRunner, LazyPool, PoolSanitizer, StalePoolError, get_backend
+
+# A stale capture written the way user code is: the backend by name, a handle kept after release, and the
+# last output still held.
+STALE = textwrap.dedent('''
+    import torch
+    from cudagraph_lifecycle import get_backend
+
+    def capture(be, pool):
+        g = be.new_graph()
+        x = torch.ones(16)
+        with be.stream(be.capture_stream(0)):
+            g.capture_begin(pool=pool)
+            y = x * 2
+            g.capture_end()
+        return g, y
+
+    be = get_backend("sim")
+    handle = be.graph_pool_handle()
+    g, kept = capture(be, handle)
+    g.reset()
+    capture(be, handle)  # into a dead pool: the output above pins it
+''')
+
+
+def test_pool_sanitizer_by_name_watches_code_that_gets_its_backend_by_name():
+    with PoolSanitizer("sim") as san, pytest.raises(StalePoolError, match="stale pool"):
+        exec(compile(STALE, "user_code.py", "exec"), {})
+    assert san.stale_caught == 1 and get_backend("sim").poisoned is None
+
+
+def _run(args, env_extra, tmp_path):
+    script = tmp_path / "user_code.py"
+    script.write_text(STALE)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CUDAGRAPH_")}
+    env.update(env_extra)
+    return subprocess.run([sys.executable, *args, str(script)], capture_output=True, text=True, env=env,
+                          timeout=120, cwd=tmp_path)
+
+
+def test_environment_variable_installs_one_for_the_whole_program(tmp_path):
+    p = _run([], {"CUDAGRAPH_SANITIZE": "1", "CUDAGRAPH_SANITIZE_BACKEND": "sim"}, tmp_path)
+    assert p.returncode == 1 and "StalePoolError: capture into stale pool" in p.stderr, p.stderr[-2000:]
+
+
+def test_module_entry_runs_a_program_under_it(tmp_path):
+    p = _run(["-m", "cudagraph_lifecycle.sanitizer"], {"CUDAGRAPH_SANITIZE_BACKEND": "sim"}, tmp_path)
+    assert p.returncode == 1 and "StalePoolError: capture into stale pool" in p.stderr, p.stderr[-2000:]
+    assert "user_code.py" in p.stderr  # the mint and release sites are the user's lines
+
+
+def test_a_cudagraph_marked_test(pytester):
+    pytester.makepyfile(test_user=f'''
+        import pytest
+        from cudagraph_lifecycle import StalePoolError
+
+        @pytest.mark.cudagraph
+        def test_stale():
+            with pytest.raises(StalePoolError):
+                exec(compile({STALE!r}, "user_code.py", "exec"), {{}})
+    ''')
+    pytester.runpytest_subprocess("-p", "cudagraph").assert_outcomes(passed=1)
+
+
+def test_a_runner_built_with_backend_sim():
+    pool = LazyPool("sim", mode="handle")  # shared, never retired by the runners: the first one's id stays
+    with PoolSanitizer("sim"):
+        r1 = CUDAGraphRunner(lambda x: x * 2, [2], (4,), backend="sim", pool=pool)
+        kept = r1.run(torch.ones(2, 4))  # a view into the pool, held past release
+        r1.release()
+        r2 = CUDAGraphRunner(lambda x: x * 3, [2], (4,), backend="sim", pool=pool)
+        with pytest.raises(StalePoolError):
+            r2.capture()
+        del kept
