@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# The whole GPU check in one call (device tool): conformance on cuda, GPU tests, the examples' lifecycle
-# suite on both worker paths (fork and spawn) and with -n 2, and the benchmarks.
+# The whole GPU check in one call (device tool): conformance on cuda, GPU tests, the peer-style engine
+# matrix, the soak, the examples' lifecycle suite on both worker paths (fork and spawn), with -n 2 and on MPI
+# ranks, and the benchmarks (runner, worker, MPI, plugin import).
 #   run: bash scripts/gpu_check.sh      (writes to $OUT, or ./gpu-out when OUT is unset)
+# Every step runs under one deadline (GPU_CHECK_SECONDS, default 560) so the results archive is always
+# written inside the device tool's 10-minute limit; a step that no time is left for is listed as skipped.
 set -u -o pipefail
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
@@ -10,11 +13,22 @@ mkdir -p "$R"
 LOG=$R/full.log
 exec > >(tee "$LOG") 2>&1
 export PYTHONUNBUFFERED=1
-step() { echo; echo "=== $* ($(date -u +%H:%M:%S))"; STEP="$*"; T0=$SECONDS; }
-# the outcome of each step goes into summary.md, so the committed results say what passed
-mark() { local r=$?; echo "- ${STEP}: $([ $r = 0 ] && echo ok || echo "FAILED (rc $r)") in $((SECONDS - T0)) s" >> "$R/steps.md"; [ $r = 0 ] || rc=1; }
+DEADLINE=$((SECONDS + ${GPU_CHECK_SECONDS:-560}))
+rc=0
+# step NAME CMD...: run CMD under what is left of the deadline; its outcome and time go into summary.md
+step() {
+  local name=$1; shift
+  local left=$((DEADLINE - SECONDS)) t0=$SECONDS r
+  echo; echo "=== $name ($(date -u +%H:%M:%S), ${left}s left)"
+  if [ "$left" -lt 15 ]; then
+    echo "- ${name}: SKIPPED (no time left)" >> "$R/steps.md"; rc=1; return
+  fi
+  timeout "$left" "$@"; r=$?
+  echo "- ${name}: $([ $r = 0 ] && echo ok || echo "FAILED (rc $r)") in $((SECONDS - t0)) s" >> "$R/steps.md"
+  [ $r = 0 ] || rc=1
+}
 
-step install
+echo "=== install"
 python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/site . 2>&1 | tail -3 \
   || python3 -m pip install -q --no-deps --no-index --target /tmp/site .whl/pytest_cudagraph-*.whl
 export PYTHONPATH=/tmp/site
@@ -29,29 +43,27 @@ print(f"- GPU: {torch.cuda.get_device_name(0)}, driver "
 import pytest, importlib.metadata as md
 print(f"- pytest {pytest.__version__}, pytest-cudagraph {md.version('pytest-cudagraph')}")
 PY
-rc=0
-step conformance on cuda
-python3 -m cudagraph_lifecycle.conformance --backend cuda --jobs 8 --json "$R/conformance-cuda.json"; mark
-step GPU tests
-python3 -m pytest -p cudagraph -q -rP tests/test_gpu.py --cudagraph-require-gpu -p no:cacheprovider; mark
-step "examples, fork path (pytest process without CUDA)"
-python3 -m pytest -p cudagraph examples/ --cudagraph-require-gpu --cudagraph-report="$R/examples-fork.json" \
-  -p no:cacheprovider; mark
-step "examples, spawn path (pytest process initialized CUDA)"
-CUDAGRAPH_EXAMPLES_INIT_CUDA=1 python3 -m pytest -p cudagraph examples/ --cudagraph-require-gpu \
-  --cudagraph-report="$R/examples-spawn.json" -p no:cacheprovider; mark
-step "examples, -n 2 on one GPU"
-python3 -m pytest -p cudagraph examples/ -n 2 --cudagraph-require-gpu -p no:cacheprovider -q; mark
-step bench runner
-python3 bench/bench_runner.py --backend cuda --json "$R/bench-runner.json"; mark
-step bench worker
-python3 bench/bench_worker.py --backend cuda --engines 3 --json "$R/bench-worker.json"; mark
-step "examples on 2 MPI ranks sharing the GPU"
-python3 -m pytest -p cudagraph examples/test_mpi_lifecycle.py --cudagraph-require-gpu --cudagraph-require-mpi \
-  --cudagraph-report="$R/examples-mpi.json" -p no:cacheprovider; mark
-step bench mpi
-python3 bench/bench_mpi.py --backend cuda --ranks 2 --engines 3 --json "$R/bench-mpi.json"; mark
-step done rc=$rc
+PT="python3 -m pytest -p cudagraph -p no:cacheprovider --cudagraph-require-gpu"
+
+step "conformance on cuda" python3 -m cudagraph_lifecycle.conformance --backend cuda --jobs 8 \
+  --json "$R/conformance-cuda.json"
+step "GPU tests" $PT -q -rP tests/test_gpu.py
+step "peer-style engine matrix (10 styles x hold/drop x sanitizer on/off; plain PyTorch's truth)" \
+  $PT tests/test_peer_matrix.py -n 8 --cudagraph-report="$R/peer-matrix.json" -q
+step "soak: 200 engines in one reused worker" python3 bench/bench_soak.py --backend cuda --engines 200 \
+  --json "$R/bench-soak.json"
+step "examples, fork path (pytest process without CUDA)" $PT examples/ --cudagraph-report="$R/examples-fork.json"
+step "bench runner" python3 bench/bench_runner.py --backend cuda --json "$R/bench-runner.json"
+step "examples, spawn path (pytest process initialized CUDA)" env CUDAGRAPH_EXAMPLES_INIT_CUDA=1 \
+  $PT examples/ --cudagraph-report="$R/examples-spawn.json"
+step "examples, -n 2 on one GPU" $PT examples/ -n 2 -q
+step "bench worker" python3 bench/bench_worker.py --backend cuda --engines 3 --json "$R/bench-worker.json"
+step "examples on 2 MPI ranks sharing the GPU" $PT examples/test_mpi_lifecycle.py --cudagraph-require-mpi \
+  --cudagraph-report="$R/examples-mpi.json"
+step "bench mpi" python3 bench/bench_mpi.py --backend cuda --ranks 2 --engines 3 --json "$R/bench-mpi.json"
+step "bench plugin import (CUDA build of torch)" python3 bench/bench_plugin_import.py --rounds 10 \
+  --json "$R/bench-plugin-import.json"
+echo; echo "=== done rc=$rc"
 sleep 1
 { echo; echo "## Steps"; cat "$R/steps.md"; } >> "$R/summary.md"
 cp "$R/summary.md" "$OUT/" 2>/dev/null

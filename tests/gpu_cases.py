@@ -210,3 +210,29 @@ def runner_failure_with_and_without_ending_routing():
             "stderr_tail": [ln for ln in p.stderr.strip().splitlines() if ln.strip()][-4:],
         }
     return out
+
+
+def runners_by_name_share_one_capture_stream():
+    """Two runners built with backend="cuda": one process backend, one capture stream, so the second engine
+    adds no per-stream workspaces (reserved growth ~0 once the first has run)."""
+    _without_worker_sanitizer()
+    lin = [torch.nn.Linear(256, 256).cuda().half() for _ in range(4)]
+
+    def fwd(x):
+        for m in lin:
+            x = torch.relu(m(x))
+        return x
+
+    def engine():
+        r = CUDAGraphRunner(fwd, [1, 2, 4, 8], (256,), dtype=torch.float16, backend="cuda")
+        with torch.no_grad():
+            r.run(torch.randn(3, 256, device="cuda", dtype=torch.float16))
+        stream = r._stream
+        assert r.release().clean
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        return stream, torch.cuda.memory_reserved()
+
+    s1, after_first = engine()
+    s2, after_second = engine()
+    return {"same_stream": s1 is s2, "growth_second": after_second - after_first}

@@ -75,3 +75,40 @@ def test_runner_failure_path_with_and_without_ending_the_routing(cudagraph_worke
     r = cudagraph_worker.call(gpu_cases.runner_failure_with_and_without_ending_routing)
     print("without ending the routing:", r["left_on"])
     assert r["ended"]["rc"] == 0 and r["ended"]["stdout"] == ["released clean", "survived"], r
+
+
+def test_runners_built_by_name_share_the_process_capture_stream(cudagraph_worker):
+    r = cudagraph_worker.call(gpu_cases.runners_by_name_share_one_capture_stream)
+    assert r["same_stream"] and r["growth_second"] <= 0, r
+
+
+FIRST_CUDA_USE = """
+import pytest, torch
+from cudagraph_lifecycle import StalePoolError
+
+def capture(pool):
+    g = torch.cuda.CUDAGraph()
+    x = torch.ones(64, device="cuda")
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        g.capture_begin(pool=pool)
+        y = x * 2
+        g.capture_end()
+    return g, y
+
+@pytest.mark.cudagraph
+def test_stale_handle_first_thing():
+    assert not torch.cuda.is_initialized()
+    handle = torch.cuda.graph_pool_handle()
+    g, kept = capture(handle)
+    g.reset()
+    with pytest.raises(StalePoolError, match="stale pool"):
+        capture(handle)
+    torch.ones(4, device="cuda").sum().item()  # the process is not poisoned
+"""
+
+
+def test_first_cuda_use_in_a_marked_test_is_watched(pytester):
+    # The test's first line initializes CUDA: the sanitizer must already be watching (installed at set-up).
+    pytester.makepyfile(test_first=FIRST_CUDA_USE)
+    pytester.runpytest_subprocess("-p", "cudagraph", "-p", "no:cacheprovider").assert_outcomes(passed=1)
