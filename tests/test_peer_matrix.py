@@ -25,7 +25,9 @@ EXPECTED = {
     ("g", "hold"): ["held"] * 3, ("g", "drop"): ["fresh"] * 3,
     ("h", "hold"): ["held", "stale"], ("h", "drop"): ["fresh", "reused", "reused"],
     ("i", "hold"): ["held"] * 3, ("i", "drop"): ["fresh"] * 3,
-    ("j", "hold"): ["held"] * 3, ("j", "drop"): ["fresh"] * 3,
+    # cudagraph trees hand out outputs whose storage the trees' pool owns, not the output: a held output pins
+    # nothing, so once torch._dynamo.reset() frees the trees the pool is gone (and the held output dangles)
+    ("j", "hold"): ["fresh"] * 3, ("j", "drop"): ["fresh"] * 3,
 }
 CELLS = sorted(EXPECTED)
 

@@ -27,8 +27,27 @@ FALLBACK_REASONS = ("batch_over_max", "key_not_captured", "disabled", "capture_f
 ExtraKey = tuple[tuple[str, Any], ...]
 
 
-def _extra_key(extra: Mapping[str, Any]) -> ExtraKey:
+def _extra_key(extra: Mapping[str, Any], where: str = "extra key") -> ExtraKey:
+    for name, value in extra.items():
+        try:
+            hash(value)
+        except TypeError:
+            raise ConfigError(
+                f"{where} {name}={value!r} is a {type(value).__name__}, which cannot key a graph: use a hashable "
+                "value (int, str, tuple)"
+            ) from None
     return tuple(sorted(extra.items()))
+
+
+def _unsliceable(out: Any, bs: int) -> ConfigError | None:
+    """Outputs are sliced back to the batch along dim 0: one that has no batch dim cannot be."""
+    for i, t in enumerate(t for t in leaves(out) if isinstance(t, torch.Tensor)):
+        if t.dim() == 0 or t.shape[0] != bs:
+            return ConfigError(
+                f"forward returned output #{i} of shape {tuple(t.shape)} for a batch of {bs}: the runner slices "
+                "outputs back to the batch along dim 0, so every output needs the batch as its first dim "
+                "(return per-row values; reduce outside the graph)")
+    return None
 
 
 def _drop_frames(exc: BaseException | None) -> None:
@@ -160,7 +179,7 @@ class CUDAGraphRunner:
         extra = [{}] if extra_keys is None else [dict(e) for e in extra_keys]
         if not extra:
             raise ConfigError("extra_keys is empty: leave it None for no extra key fields, or give [{...}, ...]")
-        self.extra_keys = [_extra_key(e) for e in extra]
+        self.extra_keys = [_extra_key(e, f"extra_keys[{i}]") for i, e in enumerate(extra)]
         if len(set(self.extra_keys)) != len(self.extra_keys):
             raise ConfigError(f"extra_keys has duplicates: {extra!r}")
         self.backend = pool.backend if pool is not None else get_backend(backend)
@@ -193,22 +212,42 @@ class CUDAGraphRunner:
             )
 
     def capture(self) -> None:
-        """Warm up and capture every (batch size, extra key), largest batch first, into one fresh pool."""
+        """Warm up and capture every (batch size, extra key), largest batch first, into one fresh pool.
+
+        All or nothing: if it stops part-way (an interrupt, a pool check that refuses), the graphs it
+        captured are reset and the runner is as before, so the next ``capture()`` or ``run()`` starts again.
+        """
         self._check_live()
         if self._captured or not self.enabled:
             return
+        try:
+            dev = self.backend.torch_device(self.device)
+            self._static_in = torch.zeros((self.batch_sizes[-1], *self.feature_shape), dtype=self.dtype, device=dev)
+            self._stream = self.backend.capture_stream(self.device)
+            pool_id = self.pool.acquire(self.device)
+            self.pool.check_capturable(pool_id, self.device)
+            if (self.device, pool_id) not in self._pool_ids:
+                self._pool_ids.append((self.device, pool_id))
+            self._stats.pool_id = pool_id
+            for bs in reversed(self.batch_sizes):
+                for ekey in self.extra_keys:
+                    if ekey not in self._failed:
+                        self._capture_one(bs, ekey, pool_id)
+        except BaseException:
+            self._abandon_capture()
+            raise
         self._captured = True
-        dev = self.backend.torch_device(self.device)
-        self._static_in = torch.zeros((self.batch_sizes[-1], *self.feature_shape), dtype=self.dtype, device=dev)
-        self._stream = self.backend.capture_stream(self.device)
-        pool_id = self.pool.acquire(self.device)
-        self.pool.check_capturable(pool_id, self.device)
-        self._pool_ids.append((self.device, pool_id))
-        self._stats.pool_id = pool_id
-        for bs in reversed(self.batch_sizes):
-            for ekey in self.extra_keys:
-                if ekey not in self._failed:
-                    self._capture_one(bs, ekey, pool_id)
+
+    def _abandon_capture(self) -> None:
+        while self._graphs:  # one by one: a loop variable bound to an output would pin its segment
+            self._graphs.popitem()[1][0].reset()
+        self._failed.clear()
+        self._static_in = None
+        # The pool's graphs are all reset now: until both allocators erase it, capturing into it again is
+        # the stale-pool assert. Nothing of it is alive any more, so flushing the caches erases it.
+        self.backend.synchronize(self.device)
+        self.backend.empty_cache()
+        self.backend.host_empty_cache()
 
     def _capture_one(self, bs: int, ekey: ExtraKey, pool_id: PoolId) -> None:
         be = self.backend
@@ -232,13 +271,15 @@ class CUDAGraphRunner:
                     graph.capture_begin(pool=pool_id)
                     try:
                         out = self.forward(x, **kwargs)
-                    except Exception as e:
+                    except BaseException as e:  # an interrupt too: the capture must be ended either way
                         err = e
                     try:
                         graph.capture_end()
                     except Exception as e:
                         err = err or e
                 self._stats.capture_ms += (time.perf_counter() - t0) * 1e3
+        if err is None:
+            err = _unsliceable(out, bs)
         if err is not None:
             # torch 2.11, when capture_end fails: the allocator's record of the capture stays open
             # (PyTorch #180395; measured), and the graph keeps its pool reference through reset() and
@@ -250,6 +291,8 @@ class CUDAGraphRunner:
             if uses_before is not None and uses_after is not None and uses_after > uses_before:
                 be.release_pool_reference(pool_id, self.device)
             out = None
+            if not isinstance(err, Exception):  # KeyboardInterrupt, SystemExit: cleaned up, now let it through
+                raise err
             msg = f"batch {bs} {dict(ekey)}: {type(err).__name__}: {err}"
             # The traceback's frames hold the capture's temporaries, which would pin the pool: drop them.
             _drop_frames(err)
@@ -299,7 +342,10 @@ class CUDAGraphRunner:
             return self._eager(x, extra, "disabled")
         if not self._captured:
             self.capture()
-        ekey = _extra_key(extra)
+        try:
+            ekey = _extra_key(extra, "run() keyword")
+        except ConfigError as e:
+            raise GraphInputError(str(e)) from None
         if ekey in self._failed:
             return self._eager(x, extra, "capture_failed")
         if ekey not in self.extra_keys:

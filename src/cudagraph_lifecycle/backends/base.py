@@ -149,9 +149,11 @@ class Backend(ABC):
     def stream(self, stream: Any) -> contextlib.AbstractContextManager: ...
 
     def prewarm(self, device: int = 0) -> None:
-        """Create the per-stream library workspaces (cuBLAS, cuBLASLt) of the default and capture streams
-        now, so a reserved-memory baseline taken afterwards does not count them against the first engine.
-        The simulated allocator has no library workspaces: nothing to do there."""
+        """Create the per-stream library workspaces (cuBLAS, cuBLASLt) of the streams captures run on (the
+        default stream, the process's capture stream, torch.cuda.graph's own) now: a workspace created inside
+        a capture pins that graph's pool for good, and one created between two baselines counts as growth.
+        Cheap when they exist; ``torch._dynamo.reset()`` frees them, so cycles call this every time. The
+        simulated allocator has no library workspaces: nothing to do there."""
         return None
 
     def capture_stream(self, device: int = 0) -> Any:

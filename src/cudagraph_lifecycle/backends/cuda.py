@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ..errors import BackendUnavailableError
 from .base import Backend, Block, GraphAPI, PoolId, PoolState
 
 # private torch functions this backend uses, and what is off without each
@@ -63,8 +64,18 @@ class CudaBackend(Backend):
         return torch.cuda.current_device()
 
     def prewarm(self, device: int = 0) -> None:
+        # torch.cuda.graph captures on a process-wide stream of its own when given none (so does
+        # make_graphed_callables): measured on the H200, the first capture on it put cuBLAS's 32 MiB
+        # workspace into that graph's pool and pinned it for good.
+        graph_ctx = torch.cuda.graph
+        if getattr(graph_ctx, "default_capture_stream", False) is None:
+            graph_ctx.default_capture_stream = torch.cuda.Stream()
+        streams = [torch.cuda.current_stream(self.torch_device(device)), self.capture_stream(device)]
+        default_capture = getattr(graph_ctx, "default_capture_stream", None)
+        if default_capture is not None and default_capture.device.index == device:
+            streams.append(default_capture)
         dev = self.torch_device(device)
-        for stream in (torch.cuda.current_stream(dev), self.capture_stream(device)):
+        for stream in streams:
             with torch.cuda.stream(stream), torch.no_grad():
                 for dtype in (torch.float32, torch.float16, torch.bfloat16):
                     a = torch.ones(64, 64, device=dev, dtype=dtype)
@@ -252,7 +263,13 @@ class CudaBackend(Backend):
 
 
 def _segment_pool(seg: dict) -> PoolId:
-    return tuple(seg.get("segment_pool_id", (0, 0)))
+    # Without the pool id every segment would read as the default pool's, and every graph pool as empty:
+    # a release check would pass whatever it held. Refuse instead.
+    if "segment_pool_id" not in seg:
+        raise BackendUnavailableError(
+            "torch.cuda.memory_snapshot() in this torch build has no 'segment_pool_id': the books of graph pools "
+            f"cannot be read (torch {torch.__version__}); pytest-cudagraph needs torch >= 2.11")
+    return tuple(seg["segment_pool_id"])
 
 
 def _forget_process_backend() -> None:

@@ -46,8 +46,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
+
+try:  # what the simulation observes captures with; public names only from torch 2.x on
+    from torch.multiprocessing.reductions import StorageWeakRef
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    _MISSING = None if hasattr(torch.UntypedStorage, "_new_with_weak_ptr") else "UntypedStorage._new_with_weak_ptr"
+except ImportError as e:  # pragma: no cover - older or stripped torch builds
+    StorageWeakRef, _MISSING = None, str(e)
+    TorchDispatchMode = object
 
 from ..trees import leaves, map_leaves
 from .base import Backend, Block, GraphAPI, MiB, PoolId, PoolState
@@ -379,6 +386,12 @@ class SimBackend(Backend):
             return cls._process
 
     def __init__(self, devices: int = 2, record_stacks: bool = False):
+        if _MISSING is not None:
+            from ..errors import BackendUnavailableError
+
+            raise BackendUnavailableError(
+                f"the simulated allocator needs torch's dispatch modes and weak storage references, which this "
+                f"torch {torch.__version__} lacks ({_MISSING}): use torch >= 2.11")
         if not isinstance(devices, int) or devices < 1:
             from ..errors import ConfigError
 

@@ -61,9 +61,7 @@ def run_cycle(
     be = get_backend(backend)
     _observe_for_life()
     caller = caller_of(be)
-    if not caller.prewarmed:
-        be.prewarm(0)  # library workspaces are per process: create them before the first baseline
-        caller.prewarmed = True
+    be.prewarm(0)  # library workspaces are per stream and process: create them before the baseline
     label = f"{test or 'engine sequence'} [engine {index}]"
     rec = CycleRecord(index=index, pid=os.getpid(), backend=be.name, engine=label, strict=strict)
     done: list[CycleRecord] = []

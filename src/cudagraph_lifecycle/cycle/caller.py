@@ -38,7 +38,6 @@ class Caller:
     held_pools: list[Key] = field(default_factory=list)
     held_record: CycleRecord | None = None
     kept: Any = None  # the last copy (drop)
-    prewarmed: bool = False
 
 
 _callers: dict[Any, Caller] = {}
