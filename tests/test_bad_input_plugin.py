@@ -1,0 +1,137 @@
+"""Specification: every bad input to the plugin gets a clear answer that names what the user set.
+
+Options (command line, environment, ini key) are usage errors (exit code 4) naming the flag, the variable
+or the ini key as the user wrote it; markers, fixture arguments and engines of the wrong shape fail the
+test with the argument named. Each row: the input, and the words the message must contain.
+"""
+
+import json
+
+import pytest
+
+# loaded before the in-process runs: pytester unloads what a run imported, and torch's extension cannot be
+# loaded twice in one process
+import torch  # noqa: F401
+
+PLAIN_TEST = "def test_x(cudagraph_backend_name): pass"
+
+# (id, command line, environment, ini lines, words)
+OPTIONS = [
+    ("backend cli", ["--cudagraph-backend=tpu"], {}, "", "--cudagraph-backend='tpu' is not one of: auto, cuda, sim"),
+    ("backend env", [], {"CUDAGRAPH_BACKEND": "tpu"}, "", "CUDAGRAPH_BACKEND='tpu' is not one of"),
+    ("backend ini", [], {}, "cudagraph_backend = tpu", "ini key cudagraph_backend='tpu' is not one of"),
+    ("timeout cli", ["--cudagraph-timeout=soon"], {}, "", "--cudagraph-timeout='soon' is not a number of seconds"),
+    ("timeout env", [], {"CUDAGRAPH_TIMEOUT": "soon"}, "", "CUDAGRAPH_TIMEOUT='soon' is not a number"),
+    ("timeout ini", [], {}, "cudagraph_timeout = soon", "ini key cudagraph_timeout='soon' is not a number"),
+    ("timeout negative", [], {"CUDAGRAPH_TIMEOUT": "-3"}, "", "CUDAGRAPH_TIMEOUT='-3' is below 0 (0 means no limit)"),
+    ("ranks zero cli", ["--cudagraph-mpi-ranks=0"], {}, "", "--cudagraph-mpi-ranks='0' is below 1"),
+    ("ranks ini", [], {}, "cudagraph_mpi_ranks = two", "ini key cudagraph_mpi_ranks='two' is not an integer"),
+    ("growth cli", ["--cudagraph-max-growth=lots"], {}, "", "--cudagraph-max-growth='lots' is not a size in bytes"),
+    ("growth env", [], {"CUDAGRAPH_MAX_GROWTH": "5 parsecs"}, "", "CUDAGRAPH_MAX_GROWTH='5 parsecs' is not a size"),
+    ("growth ini", [], {}, "cudagraph_max_growth = -1", "ini key cudagraph_max_growth='-1' is not a size"),
+    ("sanitize env", [], {"CUDAGRAPH_SANITIZE_MODE": "loud"}, "", "CUDAGRAPH_SANITIZE_MODE='loud' is not one of: off, on, strict"),
+    ("worker cli", ["--cudagraph-worker=threads"], {}, "", "--cudagraph-worker='threads' is not one of: fork, mpi"),
+    ("start method ini", [], {}, "cudagraph_start_method = thread", "ini key cudagraph_start_method='thread' is not one of"),
+    ("require-gpu env", [], {"CUDAGRAPH_REQUIRE_GPU": "maybe"}, "", "CUDAGRAPH_REQUIRE_GPU='maybe' is not a boolean"),
+    ("report folder cli", ["--cudagraph-report=/nonexistent/dir/r.json"], {}, "",
+     "--cudagraph-report=/nonexistent/dir/r.json: the folder /nonexistent/dir does not exist; create it (mkdir -p"),
+    ("report folder env", [], {"CUDAGRAPH_REPORT": "/nonexistent/dir/r.json"}, "",
+     "CUDAGRAPH_REPORT=/nonexistent/dir/r.json: the folder /nonexistent/dir does not exist"),
+    ("report is a folder", ["--cudagraph-report=."], {}, "", "is a folder: give a file path"),
+    ("cuda without a GPU cli", ["--cudagraph-backend=cuda"], {}, "",
+     "--cudagraph-backend=cuda: no usable GPU is visible to this process"),
+    ("cuda without a GPU env", [], {"CUDAGRAPH_BACKEND": "cuda"}, "",
+     "CUDAGRAPH_BACKEND=cuda: no usable GPU is visible"),
+    ("require gpu", ["--cudagraph-require-gpu"], {}, "", "--cudagraph-require-gpu: no usable GPU is visible"),
+    ("require gpu and sim", ["--cudagraph-require-gpu", "--cudagraph-backend=sim"], {}, "",
+     "--cudagraph-require-gpu contradicts --cudagraph-backend=sim"),
+]
+
+
+@pytest.mark.parametrize("what, args, env, ini, words", OPTIONS, ids=[r[0] for r in OPTIONS])
+def test_options(pytester, monkeypatch, what, args, env, ini, words):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    if ini:
+        pytester.makeini(f"[pytest]\n{ini}\n")
+    pytester.makepyfile(test_a=PLAIN_TEST)
+    res = pytester.runpytest_inprocess("-p", "cudagraph", *args)
+    assert res.ret == pytest.ExitCode.USAGE_ERROR, what
+    assert words in res.stderr.str(), res.stderr.str()
+
+
+# (id, marker line or "", the test body, words in the failure)
+FIXTURE_ARGS = [
+    ("marker n", "@pytest.mark.cudagraph_engines(n=0)", "engine_sequence(good)", "cudagraph_engines(n=0)"),
+    ("marker scope", "@pytest.mark.cudagraph_engines(scope='class')", "engine_sequence(good)",
+     "cudagraph_engines(scope='class'): choose one of function, module, session"),
+    ("marker sanitize", "@pytest.mark.cudagraph_engines(sanitize='loud')", "engine_sequence(good)",
+     "cudagraph_engines(sanitize='loud'): choose off, on or strict"),
+    ("marker unknown keyword", "@pytest.mark.cudagraph_engines(3, engines=2)", "engine_sequence(good)",
+     "unknown: engines"),
+    ("marker ranks", "@pytest.mark.cudagraph_engines(ranks=0)", "engine_sequence(good)",
+     "cudagraph_engines(ranks=0): give a positive int"),
+    ("sequence n", "", "engine_sequence(good, 0)", "engine_sequence(n=0): give n >= 1"),
+    ("sequence output", "", "engine_sequence(good, 1, output='keep')", "engine_sequence(output='keep'): choose 'hold'"),
+    ("sequence factory", "", "engine_sequence(5)", "needs a factory callable(backend) -> engine, got 5"),
+]
+
+ENGINES = '''
+class Good:
+    def __init__(self, backend): self.x = None
+    def run(self, x): return x
+    def release(self): pass
+
+def good(backend): return Good(backend)
+def no_release(backend): return object()
+
+class PlainIds(Good):
+    def pool_ids(self): return [(0, 1)]
+
+def plain_ids(backend): return PlainIds(backend)
+'''
+
+
+@pytest.mark.parametrize("what, marker, body, words", FIXTURE_ARGS, ids=[r[0] for r in FIXTURE_ARGS])
+def test_fixture_and_marker_arguments(pytester, what, marker, body, words):
+    pytester.makepyfile(engines_mod=ENGINES)
+    pytester.makepyfile(test_a=f'''
+import pytest
+from engines_mod import good
+
+{marker}
+def test_x(engine_sequence):
+    {body}
+''')
+    res = pytester.runpytest_inprocess("-p", "cudagraph")
+    assert res.ret == pytest.ExitCode.TESTS_FAILED, what
+    assert words in res.stdout.str(), res.stdout.str()
+
+
+@pytest.mark.parametrize("factory, words", [
+    ("no_release", ["the factory returned object, which has no run(x) (or __call__) and no release()"]),
+    ("plain_ids", ["PlainIds.pool_ids() returned [(0, 1)]", "(device, pool_id) pairs"]),
+])
+def test_engines_of_the_wrong_shape(pytester, factory, words):
+    pytester.makepyfile(engines_mod=ENGINES)
+    pytester.makepyfile(test_a=f'''
+from engines_mod import {factory}
+
+def test_x(engine_sequence):
+    engine_sequence({factory}, 1)
+''')
+    res = pytester.runpytest_subprocess("-p", "cudagraph")
+    res.assert_outcomes(failed=1)
+    for w in words:
+        assert w in res.stdout.str()
+    res.stdout.fnmatch_lines(["FAILED test_a.py::test_x - cudagraph_lifecycle.errors.ConfigError: *"])
+
+
+def test_the_json_report_needs_no_terminal(pytester):
+    pytester.makepyfile(engines_mod=ENGINES)
+    pytester.makepyfile(test_a="from engines_mod import good\ndef test_x(engine_sequence):\n    engine_sequence(good, 1)\n")
+    report = pytester.path / "r.json"
+    res = pytester.runpytest_subprocess("-p", "cudagraph", "-p", "no:terminal", f"--cudagraph-report={report}")
+    assert res.ret == 0
+    data = json.loads(report.read_text())
+    assert data["totals"]["cycles"] == 1 and data["tests"][0]["outcome"] == "passed"
