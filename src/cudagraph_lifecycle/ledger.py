@@ -137,7 +137,7 @@ class PoolEntry:
     @property
     def dead(self) -> bool:
         """A capture into it would trip the allocator's ``use_count > 0`` assert."""
-        return (self.device_count <= 0 and self.device_alive) or (self.host_count <= 0 and self.host_alive)
+        return (self.held + self.device_extra <= 0 and self.device_alive) or (self.held <= 0 and self.host_alive)
 
     @property
     def owner(self) -> str | None:
@@ -178,6 +178,7 @@ class Ledger:
         self.captures_by_scope: dict[str, int] = {}
         self.generation = 0
         self.pending: deque = deque()  # (callable, args) queued by weak-reference callbacks
+        self.pending_keys: set[Key] = set()  # the pools those events touch: a capture drains only for its own
         self._seq = itertools.count(1)
         self._gids = itertools.count(1)
         self.seq = 0
@@ -186,7 +187,8 @@ class Ledger:
     def reset(self) -> None:
         """Forget everything (a forked child). Containers are cleared in place: wrappers hold them."""
         self.lock = threading.RLock()
-        for container in (self.pools, self.dead, self.graphs, self.minted, self.erased, self.stale, self.pending):
+        for container in (self.pools, self.dead, self.graphs, self.minted, self.erased, self.stale, self.pending,
+                          self.pending_keys):
             container.clear()
         self.retired.clear()
         self.captures_by_scope.clear()
@@ -246,10 +248,19 @@ class Ledger:
             while len(self.erased) > _REMEMBERED:
                 self.erased.popitem(last=False)
 
-    def later(self, fn: Callable[..., None], *args: Any) -> None:
-        """Queue ``fn(*args)`` for the next ledger operation (for weak-reference callbacks); dropped if the
-        process forked in between (the event was the parent's)."""
+    def later(self, key: Key | None, fn: Callable[..., None], *args: Any) -> None:
+        """Queue ``fn(*args)``, an event about pool ``key``, for the next ledger operation (for weak-reference
+        callbacks); dropped if the process forked in between (the event was the parent's)."""
         self.pending.append((self._in_generation, (self.generation, fn, args)))
+        if key is not None:
+            self.pending_keys.add(key)
+
+    def drain_before_capture(self, key: Key) -> None:
+        """A capture into ``key`` is about to be judged: apply what concerns it (and everything, once the
+        queue is long: a process that only captures must not grow it for ever)."""
+        if key in self.pending_keys or len(self.pending) > 256:
+            with self.lock:
+                self.drain()
 
     def _in_generation(self, generation: int, fn: Callable[..., None], args: tuple) -> None:
         if generation == self.generation:
@@ -258,6 +269,7 @@ class Ledger:
     def drain(self) -> None:
         """Apply the events that weak-reference callbacks queued."""
         pending = self.pending
+        self.pending_keys.clear()
         while pending:
             fn, args = pending.popleft()
             fn(*args)
@@ -282,11 +294,22 @@ class Ledger:
     def capture_begun(self, world: Any, device: int, pool: PoolId | None, frames: list) -> GraphEntry:
         """A capture started (the allocator took its references, even if the capture later fails)."""
         with self.lock:
-            g = GraphEntry(next(self._gids), world, pool, device, frames, self.scope, self.generation,
-                           self.next_seq())
+            self.seq = seq = next(self._seq)
+            g = GraphEntry(next(self._gids), world, pool, device, frames, self.scope, self.generation, seq)
             self.graphs[g.gid] = g
-            if pool is not None:
+            if pool is None:
+                return g
+            e = self.pools.get((world, device, pool))
+            if e is None or not (e.device_alive and e.host_alive) or g.scope not in e.scopes:
                 self._count(g)
+            else:  # the common case, inline (captures are timed): a live pool taking one more graph stays live
+                e.held += 1
+                e.captures += 1
+                e.graphs[g.gid] = g
+                e.last_seq = seq
+                if g.scope is not None:
+                    self.captures_by_scope[g.scope] = self.captures_by_scope.get(g.scope, 0) + 1
+                g.counted = True
             return g
 
     def capture_bound(self, g: GraphEntry, pool: PoolId) -> None:

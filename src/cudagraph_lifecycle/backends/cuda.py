@@ -44,6 +44,9 @@ class CudaBackend(Backend):
     @classmethod
     def process(cls) -> CudaBackend:
         """The process's one CUDA backend (a forked child builds its own)."""
+        be = cls._process
+        if be is not None:  # every observed capture asks: no lock once it exists
+            return be
         with cls._lock:
             if cls._process is None:
                 cls._process = cls()

@@ -33,15 +33,21 @@ class Hooks:
         self.ledger = ledger
         self.judges = judges
         self.overhead_s = 0.0
-        self._worlds: set = set()
+        self.worlds: set = set()
         self._entries: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graphs without a __dict__
+        self._refs: dict[int, GraphEntry] = {}  # id(weak reference) -> the entry of the graph it watches
+        self._gone = self._ref_gone  # one bound method for every weak reference (captures are timed)
+
+    def _ref_gone(self, ref: Any) -> None:
+        g = self._refs.pop(id(ref), None)
+        if g is not None:
+            key = None if g.pool_id is None else (g.world, g.device, g.pool_id)
+            self.ledger.later(key, self.ledger.graph_destroyed, g)
 
     def saw(self, be: Backend) -> None:
-        """An isolated world's pools die with it: forget them then."""
-        world = be.world
-        if world not in self._worlds:
-            self._worlds.add(world)
-            weakref.finalize(be, self.ledger.forget_world, world)
+        """A world seen for the first time: its pools die with it, so forget them then."""
+        self.worlds.add(be.world)
+        weakref.finalize(be, self.ledger.forget_world, be.world)
 
     def judge(self, world: Any, device: int, pool: tuple) -> None:
         """A capture into ``pool``: record and judge it if the pool is dead."""
@@ -70,23 +76,14 @@ class Hooks:
             self._entries[graph] = g
         if old is not None and old.generation == g.generation:
             self.ledger.replaced(old)
-        led = self.ledger
-        g.ref = weakref.ref(graph, lambda _r, g=g: led.later(led.graph_destroyed, g))
-
-
-def _frames(skip: int) -> list:
-    frames: list = []
-    f = sys._getframe(skip)
-    while f is not None and len(frames) < 2 * _DEPTH:
-        frames.append(f.f_code)
-        frames.append(f.f_lasti)
-        f = f.f_back
-    return frames
+        r = g.ref = weakref.ref(graph, self._gone)
+        self._refs[id(r)] = g
 
 
 def capture_begin(api: GraphAPI, hooks: Hooks, original):
     backend_of, device_of = api.graph_backend, api.capture_device
-    led, clock = hooks.ledger, time.perf_counter
+    led, clock, worlds = hooks.ledger, time.perf_counter, hooks.worlds
+    getframe, depth2 = sys._getframe, 2 * _DEPTH
 
     @functools.wraps(original)
     def wrapper(graph, pool=None, *args, **kwargs):  # no **kwargs dict built for the common call
@@ -101,17 +98,24 @@ def capture_begin(api: GraphAPI, hooks: Hooks, original):
             if pool == (0, 0):
                 pool = None
         device = device_of(graph)
-        if led.pending:
-            with led.lock:
-                led.drain()  # a graph destroyed since the last call may have made the pool dead
-        if pool is not None and led.dead:
-            hooks.judge(world, device, pool)
+        if pool is not None:
+            if led.pending:  # a graph destroyed since the last call may have made the pool dead
+                led.drain_before_capture((world, device, pool))
+            if led.dead:
+                hooks.judge(world, device, pool)
         t1 = clock()
         original(graph, given, *args, **kwargs)
         t2 = clock()
-        g = led.capture_begun(world, device, pool, _frames(2))
+        frames = []  # the stack as Stack keeps it, built inline: one list, no call
+        f = getframe(1)
+        while f is not None and len(frames) < depth2:
+            frames.append(f.f_code)
+            frames.append(f.f_lasti)
+            f = f.f_back
+        g = led.capture_begun(world, device, pool, frames)
         hooks.tag(graph, g)
-        hooks.saw(be)
+        if world not in worlds:
+            hooks.saw(be)
         hooks.overhead_s += t1 - t0 + clock() - t2
 
     return wrapper
@@ -174,7 +178,7 @@ def mempool_init(api: GraphAPI, hooks: Hooks, original):
         where = Stack.here()
         led.note_minted(be.world, pool, where)
         led.pool_reference(be.world, device, pool, +1, where)
-        weakref.finalize(mp, led.later, led.pool_reference, be.world, device, pool, -1,
+        weakref.finalize(mp, led.later, (be.world, device, pool), led.pool_reference, be.world, device, pool, -1,
                          "(the MemPool object was destroyed)\n")
 
     return wrapper
@@ -209,8 +213,11 @@ def pool_reference(parse, hooks: Hooks, original):
         if parsed is None:
             return original(*args, **kwargs)
         be, device, pool, delta = parsed
-        if delta > 0 and led.dead:
-            hooks.judge(be.world, device, pool)
+        if delta > 0:
+            if led.pending:
+                led.drain_before_capture((be.world, device, pool))
+            if led.dead:
+                hooks.judge(be.world, device, pool)
         out = original(*args, **kwargs)
         led.pool_reference(be.world, device, pool, delta, Stack.here())
         return out
