@@ -16,6 +16,48 @@ from .worker import ReusedWorker
 
 SCOPES = ("function", "module", "session")
 MARKER_KWARGS = ("n", "scope", "sanitize", "ranks")
+BUDGET_KWARGS = ("max_pool_bytes", "max_captures", "require_replay")
+
+
+def budgets(node: pytest.Item) -> dict[str, Any]:
+    """``@pytest.mark.cudagraph(max_pool_bytes=..., max_captures=..., require_replay=True)``, checked."""
+    from cudagraph_lifecycle.errors import ConfigError
+
+    marker = node.get_closest_marker("cudagraph")
+    if marker is None:
+        return {}
+    unknown = sorted(set(marker.kwargs) - set(BUDGET_KWARGS))
+    if unknown or marker.args:
+        raise ConfigError(f"cudagraph{tuple(marker.args)}{marker.kwargs}: takes only {', '.join(BUDGET_KWARGS)} "
+                          f"as keywords; unknown: {', '.join(unknown) or 'positional arguments'}")
+    out = dict(marker.kwargs)
+    for key in ("max_pool_bytes", "max_captures"):
+        v = out.get(key)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+            raise ConfigError(f"cudagraph({key}={v!r}): give an int >= 0")
+    if not isinstance(out.get("require_replay", False), bool):
+        raise ConfigError(f"cudagraph(require_replay={out['require_replay']!r}): give True or False")
+    return out
+
+
+def _check_budgets(nodeid: str, world: Any, backend: Any, limits: dict[str, Any]) -> list[str]:
+    """The budgets of a cudagraph-marked test's own captures, read when its body returns."""
+    from cudagraph_lifecycle.ledger import ledger
+
+    out = []
+    captures = ledger.captures_in(nodeid)
+    if not captures:
+        return out  # its graphs live in workers (engine_sequence judges those per engine)
+    pool_bytes = sum(backend.pool_state(k[2], k[1]).reserved_bytes for k in ledger.pools_of_scope(world, nodeid))
+    replays, _ = ledger.replays_in(nodeid)
+    if limits.get("max_pool_bytes") is not None and pool_bytes > limits["max_pool_bytes"]:
+        out.append(f"pool_over_budget: its graph pools hold {pool_bytes} bytes, over max_pool_bytes="
+                   f"{limits['max_pool_bytes']}")
+    if limits.get("max_captures") is not None and captures > limits["max_captures"]:
+        out.append(f"too_many_captures: {captures} captures, over max_captures={limits['max_captures']}")
+    if limits.get("require_replay") and not replays:
+        out.append(f"never_replayed: {captures} graph(s) captured, none replayed (require_replay=True)")
+    return out
 
 
 def _settings(config: pytest.Config) -> dict[str, Any]:
@@ -49,12 +91,18 @@ def _cudagraph_sanitize(request: pytest.FixtureRequest):
     from cudagraph_lifecycle.sanitizer import PoolSanitizer
 
     nodeid = request.node.nodeid
-    san = PoolSanitizer(get_backend(effective_backend(request.config)), mode=s["sanitize"], scope=nodeid).start()
+    limits = budgets(request.node)
+    backend = get_backend(effective_backend(request.config))
+    san = PoolSanitizer(backend, mode=s["sanitize"], scope=nodeid).start()
     try:
         with ledger.engine_scope(nodeid):
             yield san
+        over = _check_budgets(nodeid, backend.world, backend, limits) if limits else []
     finally:
         san.stop()
+    if over:
+        request.node.user_properties.append((STRICT_FAILURE, "1"))
+        pytest.fail("cudagraph budget:\n" + "\n".join(f"- {o}" for o in over), pytrace=False)
     found = san.findings()
     if found:
         request.node.user_properties.append((FINDINGS, json.dumps([f.as_dict() for f in found])))
@@ -148,7 +196,7 @@ def engine_sequence(request: pytest.FixtureRequest, pytestconfig: pytest.Config)
     tests), a per-test sanitizer mode, and MPI ranks.
     """
     n, scope, sanitize, ranks = engines_marker(request.node)
-    s = _settings(pytestconfig)
+    s = {**_settings(pytestconfig), "budgets": budgets(request.node)}
     if s["worker"] == "mpi" or ranks is not None:
         if scope == "module" and ranks is None:
             holder = request.getfixturevalue("cudagraph_mpi_ranks")

@@ -47,7 +47,9 @@ class EngineSequence:
     holds each engine's output (``output="hold"``) until the next engine has captured, or copies it out
     (``"drop"``). The records go to the terminal summary, the JSON report and the JUnit properties; a failed
     cycle, a crash or the allocator's assert raises :class:`EngineCycleError` naming the engine (unless
-    ``check=False``).
+    ``check=False``). ``reload(engine)`` runs in the worker between two runs of each engine (a weight sync, a
+    LoRA swap): graphs that still read the tensors from before it fail as ``captured_address``. The budgets
+    of ``@pytest.mark.cudagraph(max_pool_bytes=..., max_captures=..., require_replay=True)`` apply per engine.
     """
 
     def __init__(self, request: pytest.FixtureRequest, default_n: int, worker: ReusedWorker | MPIRanks,
@@ -107,7 +109,7 @@ class EngineSequence:
                                                               "message": f"{kind}: {first}", "bytes": 0, "stacks": []}]}
 
     def __call__(self, factory: Callable[[Any], Any], n: int | None = None, *, check: bool = True,
-                 output: str = "hold", atol: float = 1e-4) -> list[dict]:
+                 output: str = "hold", atol: float = 1e-4, reload: Callable[[Any], Any] | None = None) -> list[dict]:
         from cudagraph_lifecycle.errors import ConfigError
 
         n = self._default_n if n is None else n
@@ -126,7 +128,8 @@ class EngineSequence:
             for i in range(first, first + n):
                 try:
                     results = self._call(_run_cycle, factory, self.backend, i, atol, output,
-                                         self._request.node.nodeid, s["sanitize"] == "strict", s["max_growth"])
+                                         self._request.node.nodeid, s["sanitize"] == "strict", s["max_growth"],
+                                         reload, **s.get("budgets", {}))
                 except RemoteError as e:
                     if e.type_name == "ConfigError":  # the engine or its factory is the wrong shape
                         raise ConfigError(e.remote_message) from None

@@ -17,7 +17,7 @@ def api_objects():
     """Every attribute the observation layer may wrap, by identity (vars() tells inherited from own)."""
     out = {}
     for api in graph_apis():
-        owners = [(api.graph_cls, n) for n in ("capture_begin", "capture_end", "reset")]
+        owners = [(api.graph_cls, n) for n in ("capture_begin", "capture_end", "reset", "replay")]
         owners += [(o, n) for o, n, _ in api.handles] + [(o, n) for o, n, _ in api.pool_refs]
         owners += [(h[0], h[1]) for h in (api.device_flush, api.host_flush) if h is not None]
         if api.mempool_cls is not None:

@@ -36,3 +36,22 @@ class StalePoolError(CudaGraphLifecycleError):
 
 class PoolNotReleasedError(CudaGraphLifecycleError, AssertionError):
     """A released pool still holds graphs or memory (raised by the fresh-pool checks)."""
+
+
+class ReplayCheckError(CudaGraphLifecycleError):
+    """Checked mode: a replay wrote nothing to rows it must write, or its real rows depend on the padding."""
+
+
+class OverwrittenOutputError(CudaGraphLifecycleError):
+    """Checked mode: an output returned by one replay was used after a later replay of the same graph
+    overwrote it (outputs are views of the graph's static buffers)."""
+
+
+class CapturedAddressError(CudaGraphLifecycleError):
+    """A tensor a captured graph reads (a weight, a static input, a cache) died or moved since the capture:
+    the graph still reads the old address."""
+
+
+class ExpandableSegmentsHazardError(CudaGraphLifecycleError):
+    """With ``expandable_segments:True``, the last graph of a pool would be reset while blocks allocated in its
+    captures are alive: freeing them afterwards crashes the process (SIGSEGV, measured on the H200)."""

@@ -96,6 +96,7 @@ class GraphEntry:
     generation: int  # the ledger's generation: entries from before a fork are not this process's
     seq: int  # ledger sequence number of the capture
     captured: bool = False  # capture_end succeeded: reset() gives the references back
+    replays: int = 0
     alive: bool = True
     counted: bool = False  # its references are counted in its pool's entry
     ref: Any = None  # weak reference to the graph, whose callback sees its destruction
@@ -149,6 +150,19 @@ class PoolEntry:
 
 
 @dataclass(frozen=True)
+class TeardownHazard:
+    """With expandable segments: the last graph of a pool about to be reset while blocks of it are alive."""
+
+    key: Key
+    scope: str | None
+    seq: int
+    owner: str | None
+    live_bytes: int
+    stacks: tuple[str, ...]
+    reset_at: str
+
+
+@dataclass(frozen=True)
 class StaleAttempt:
     """A capture (or allocation) into a dead pool, seen before the allocator ran it."""
 
@@ -176,6 +190,9 @@ class Ledger:
         self.stale: deque[StaleAttempt] = deque(maxlen=256)
         self.scope: str | None = None
         self.captures_by_scope: dict[str, int] = {}
+        self.replays_by_scope: dict[str, int] = {}  # replays of the scope's graphs that are gone
+        self.unreplayed_by_scope: dict[str, int] = {}  # the scope's graphs that went without one replay
+        self.hazards: deque[TeardownHazard] = deque(maxlen=256)
         self.generation = 0
         self.pending: deque = deque()  # (callable, args) queued by weak-reference callbacks
         self.pending_keys: set[Key] = set()  # the pools those events touch: a capture drains only for its own
@@ -191,7 +208,8 @@ class Ledger:
                           self.pending_keys):
             container.clear()
         self.retired.clear()
-        self.captures_by_scope.clear()
+        for counts in (self.captures_by_scope, self.replays_by_scope, self.unreplayed_by_scope, self.hazards):
+            counts.clear()
         self.scope = None
         self.generation += 1
 
@@ -355,6 +373,7 @@ class Ledger:
             if not g.alive or g.generation != self.generation:
                 return
             g.alive = False
+            self._forget_replays(g)
             if g.captured:
                 g.captured = False
                 self._give_back(g, "(the graph object was destroyed)\n")
@@ -370,7 +389,18 @@ class Ledger:
         """A graph object captured again after reset: its old entry describes nothing alive."""
         with self.lock:
             old.alive = False
+            self._forget_replays(old)
             self.graphs.pop(old.gid, None)
+
+    def _forget_replays(self, g: GraphEntry) -> None:
+        if g.scope is not None and g.pool_id is not None:
+            self.replays_by_scope[g.scope] = self.replays_by_scope.get(g.scope, 0) + g.replays
+            if not g.replays:
+                self.unreplayed_by_scope[g.scope] = self.unreplayed_by_scope.get(g.scope, 0) + 1
+
+    def note_hazard(self, hazard: TeardownHazard) -> None:
+        with self.lock:
+            self.hazards.append(hazard)
 
     def pool_reference(self, world: Any, device: int, pool: PoolId, delta: int, where: Stack | str) -> None:
         """A reference taken (MemPool born, warm-up allocation begun) or given back outside any graph."""
@@ -451,6 +481,14 @@ class Ledger:
         with self.lock:
             self.drain()
             return self.captures_by_scope.get(scope, 0)
+
+    def replays_in(self, scope: str) -> tuple[int, int]:
+        """(replays of the scope's graphs, how many of its graphs were never replayed), alive or gone."""
+        with self.lock:
+            self.drain()
+            alive = [g for g in self.graphs.values() if g.scope == scope and g.pool_id is not None]
+            return (self.replays_by_scope.get(scope, 0) + sum(g.replays for g in alive),
+                    self.unreplayed_by_scope.get(scope, 0) + sum(1 for g in alive if not g.replays))
 
     def stale_since(self, seq: int, world: Any = None) -> list[StaleAttempt]:
         with self.lock:

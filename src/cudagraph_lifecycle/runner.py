@@ -17,8 +17,15 @@ from typing import Any
 
 import torch
 
+from . import checks
 from .backends import Backend, PoolId, PoolState, get_backend
-from .errors import ConfigError, GraphInputError, PoolNotReleasedError, RunnerReleasedError
+from .errors import (
+    CapturedAddressError,
+    ConfigError,
+    GraphInputError,
+    PoolNotReleasedError,
+    RunnerReleasedError,
+)
 from .pool import LazyPool
 from .trees import leaves, map_leaves
 
@@ -91,6 +98,7 @@ class RunnerStats:
     pool_bytes: int = 0
     capture_ms: float = 0.0
     failures: list[str] = field(default_factory=list)
+    graph_bytes: dict[str, int] = field(default_factory=dict)  # "batch {extra}": pool bytes its capture added
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -140,6 +148,12 @@ class CUDAGraphRunner:
         copy_outputs: return copies instead of views of the static outputs. Views are faster, but a view
             the caller keeps pins the pool's segment after release.
         enabled: False runs everything eagerly (counted as fallback ``disabled``).
+        checked: replay-correctness checks (``cudagraph_lifecycle.checks``): each capture watched op by op
+            (what it reads, the op that broke it), each replay with poisoned padding and outputs (rows never
+            written, rows that depend on the padding), outputs that raise once a later replay overwrote them,
+            and :meth:`check_addresses`. None: on when ``CUDAGRAPH_CHECKED=1`` or a strict sanitizer runs.
+        names: what to call the tensors the graphs read, for :meth:`check_addresses`: a module (its parameters
+            and buffers) or a mapping of name -> tensor, read again at each check.
 
     Capture runs under ``torch.no_grad()``: autograd history on a captured output would keep the capture's
     saved activations, and with them the pool, alive after release (docs/ARCHITECTURE.md, measured facts).
@@ -161,6 +175,8 @@ class CUDAGraphRunner:
         copy_outputs: bool = False,
         enabled: bool = True,
         name: str = "engine",
+        checked: bool | None = None,
+        names: Any = None,
     ):
         if not callable(forward):
             raise ConfigError(f"forward must be callable, got {type(forward).__name__}")
@@ -202,6 +218,10 @@ class CUDAGraphRunner:
         self._pool_ids: list[tuple[int, PoolId]] = []
         self._stats = RunnerStats()
         self._fallbacks: Counter[str] = Counter()
+        self.checked = checks.enabled() if checked is None else bool(checked)
+        self._names = names
+        self._guard = checks.OutputGuard() if self.checked else None
+        self._addresses = checks.AddressBook()
 
     # lifecycle
     def _check_live(self) -> None:
@@ -256,6 +276,7 @@ class CUDAGraphRunner:
         graph = be.new_graph()
         uses_before = self.pool.use_count(self.device)
         err: BaseException | None = None
+        err_where: str | None = None
         out = None
         with torch.no_grad():
             try:
@@ -266,11 +287,17 @@ class CUDAGraphRunner:
             except Exception as e:  # eager failure: the key cannot run at all, record it
                 err = e
             if err is None:
+                watch = checks.CaptureWatch(be.capture_invalidated) if self.checked else None
+                reserved = be.memory_reserved(self.device)
                 t0 = time.perf_counter()
                 with be.stream(self._stream):
                     graph.capture_begin(pool=pool_id)
                     try:
-                        out = self.forward(x, **kwargs)
+                        if watch is None:
+                            out = self.forward(x, **kwargs)
+                        else:
+                            with watch:
+                                out = self.forward(x, **kwargs)
                     except BaseException as e:  # an interrupt too: the capture must be ended either way
                         err = e
                     try:
@@ -278,6 +305,13 @@ class CUDAGraphRunner:
                     except Exception as e:
                         err = err or e
                 self._stats.capture_ms += (time.perf_counter() - t0) * 1e3
+                label = f"{bs} {dict(ekey)}" if ekey else str(bs)
+                self._stats.graph_bytes[label] = be.memory_reserved(self.device) - reserved
+                if err is not None:
+                    offender = watch.offender if watch is not None else None
+                    err_where = offender or (checks.user_frame(err.__traceback__) if err.__traceback__ else None)
+                elif watch is not None:
+                    self._addresses.add(f"graph {label}", watch.reads, checks.named_tensors(self._names))
         if err is None:
             err = _unsliceable(out, bs)
         if err is not None:
@@ -294,6 +328,8 @@ class CUDAGraphRunner:
             if not isinstance(err, Exception):  # KeyboardInterrupt, SystemExit: cleaned up, now let it through
                 raise err
             msg = f"batch {bs} {dict(ekey)}: {type(err).__name__}: {err}"
+            if err_where:
+                msg += f" -- the op that broke the capture: {err_where}"
             # The traceback's frames hold the capture's temporaries, which would pin the pool: drop them.
             _drop_frames(err)
             del err
@@ -355,12 +391,20 @@ class CUDAGraphRunner:
             return self._eager(x, extra, "batch_over_max")
         graph, out = self._graphs[(bs, ekey)]
         self._static_in[:b].copy_(x)
-        if b < bs:
-            self._static_in[b:bs].fill_(self.pad_value)
-        graph.replay()
+        if self._guard is not None:
+            self._guard.replaying((bs, ekey))
+            checks.checked_replay(graph, self._static_in, b, bs, out, self.pad_value,
+                                  f"runner {self.name!r}, batch {b} on the batch-{bs} graph")
+        else:
+            if b < bs:
+                self._static_in[b:bs].fill_(self.pad_value)
+            graph.replay()
         self._stats.replays += 1
         if self.copy_outputs:
             return map_leaves(lambda t: t[:b].clone() if isinstance(t, torch.Tensor) else t, out)
+        if self._guard is not None:
+            guard, key = self._guard, (bs, ekey)
+            return map_leaves(lambda t: guard.hand_out(key, t[:b]) if isinstance(t, torch.Tensor) else t, out)
         return map_leaves(lambda t: t[:b] if isinstance(t, torch.Tensor) else t, out)
 
     __call__ = run
@@ -395,6 +439,19 @@ class CUDAGraphRunner:
                 "autograd history). Drop it, or build the runner with copy_outputs=True"
             )
         return report
+
+    def check_addresses(self, raise_: bool = True) -> list[str]:
+        """Every tensor a graph read at capture (weights, static inputs, caches) that died or moved since:
+        name (where ``names`` knows it), old and new address, the graphs that read it. Raises
+        :class:`CapturedAddressError` listing them (``raise_=False``: returns them). Needs ``checked``."""
+        if not self.checked:
+            raise ConfigError(f"runner {self.name!r}: check_addresses() needs checked=True (the capture then "
+                              "records what each graph reads)")
+        found = self._addresses.problems(checks.named_tensors(self._names))
+        if found and raise_:
+            raise CapturedAddressError(f"runner {self.name!r}: {len(found)} captured tensor(s) died or moved since "
+                                       "the capture:\n" + "\n".join(f"- {p}" for p in found))
+        return found
 
     def __enter__(self) -> CUDAGraphRunner:
         return self

@@ -180,6 +180,15 @@ class Backend(ABC):
     def host_empty_cache(self) -> None:
         """``torch._C._host_emptyCache``: erases the host allocator's graph pools at use_count 0."""
 
+    def expandable_segments(self) -> bool:
+        """Whether the allocator runs with ``expandable_segments:True`` (where tearing down a pool whose blocks
+        are alive crashes the process once they are freed)."""
+        return False
+
+    def capture_invalidated(self) -> bool:
+        """True while a capture is underway on the current stream but no longer valid (an op broke it)."""
+        return False
+
     def end_capture_routing(self, pool_id: PoolId, device: int = 0) -> bool:
         """After a capture that failed at ``capture_end``: close the allocator's record of the capture if it
         is still open (torch 2.11 leaves it open when ``cudaStreamEndCapture`` fails, PyTorch #180395:

@@ -123,6 +123,15 @@ class CudaBackend(Backend):
         if fn is not None:
             fn()
 
+    def expandable_segments(self) -> bool:
+        conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF") or ""
+        settings = dict(kv.split(":", 1) for kv in conf.replace(" ", "").split(",") if ":" in kv)
+        return settings.get("expandable_segments", "").lower() in ("true", "1")
+
+    def capture_invalidated(self) -> bool:
+        # an invalidated capture no longer reads as active on its stream
+        return not torch.cuda.is_current_stream_capturing()
+
     def end_capture_routing(self, pool_id: PoolId, device: int = 0) -> bool:
         fn = _private("_cuda_endAllocateToPool")
         if fn is None:

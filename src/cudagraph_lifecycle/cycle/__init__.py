@@ -18,7 +18,7 @@ from ..sanitizer import global_sanitizer
 from .caller import OUTPUT_MODES, caller_copy, caller_of
 from .engine import PROTOCOL, Engine, check_pool_ids
 from .record import FAILING, STRICT_FAILING, VERDICTS, CycleRecord, Problem
-from .steps import build, capture, check_held, exercise, failed, judge, settle
+from .steps import budget, build, capture, check_held, exercise, failed, judge, settle
 
 _observing = False
 
@@ -48,6 +48,10 @@ def run_cycle(
     test: str | None = None,
     strict: bool = False,
     max_growth: int | None = None,
+    reload: Callable[[Any], Any] | None = None,
+    max_pool_bytes: int | None = None,
+    max_captures: int | None = None,
+    require_replay: bool = False,
 ) -> list[dict[str, Any]]:
     """Build one engine with ``factory(backend)``, exercise it, release it, and judge its graph pools.
 
@@ -55,6 +59,10 @@ def run_cycle(
     next engine has captured: the hazard that turns a kept pool id into the allocator's assert. ``"drop"``
     plays a caller that copies the output out and drops the view. Returns the records this call completed,
     as dicts: the previous engine's (hold: judged now that its output was dropped) and this one's.
+
+    ``reload(engine)`` runs between two runs of the example input (a weight sync, a LoRA swap): graphs that
+    still read the old tensors fail as ``captured_address``. ``max_pool_bytes``, ``max_captures`` and
+    ``require_replay`` are the engine's budgets (over budget, too many captures, graphs never replayed).
     """
     if output not in OUTPUT_MODES:
         raise ConfigError(f"output={output!r}: choose one of {', '.join(OUTPUT_MODES)}")
@@ -84,7 +92,7 @@ def run_cycle(
             done.append(previous)
         if engine is not None and not rec.failed:
             try:
-                y = exercise(engine, rec, atol)
+                y = exercise(engine, rec, atol, reload)
                 declared = engine.declared_pools()
             except ConfigError:
                 raise
@@ -105,9 +113,12 @@ def run_cycle(
     if rec.poisoned:
         return [r.as_dict() for r in done] + [rec.as_dict()]
     kept = y if output == "hold" else (None if y is None else caller_copy(y))
-    del engine, y
+    runner = getattr(getattr(engine, "obj", None), "runner", None)
+    graph_bytes = dict(runner.stats.graph_bytes) if hasattr(runner, "stats") else None
+    del engine, y, runner
     settle(be)
     pools = judge(be, rec, kept, output == "hold", declared)
+    budget(rec, graph_bytes, max_pool_bytes, max_captures, require_replay)
     rec.growth_bytes = be.default_pool_reserved(0) - default_before
     if max_growth is not None and rec.growth_bytes > max_growth:
         rec.add("growth_over_budget", f"the default pool grew by {rec.growth_bytes} bytes over this engine, above "

@@ -23,7 +23,9 @@ from typing import Any
 
 VERDICTS = ("fresh", "held", "leaked", "stale", "reused", "error")
 # problem kinds that fail a cycle always, and those that fail it only in strict mode
-FAILING = ("stale", "leaked", "graphs_not_reset", "replay_mismatch", "growth_over_budget", "error")
+FAILING = ("stale", "leaked", "graphs_not_reset", "replay_mismatch", "replay_check", "captured_address",
+           "growth_over_budget", "pool_over_budget", "too_many_captures", "never_replayed", "expandable_teardown",
+           "error")
 STRICT_FAILING = ("reused", "pool_ids_mismatch", "release_incomplete", "sanitizer")
 
 
@@ -50,6 +52,8 @@ class CycleRecord:
     pool_ids: list[list] = field(default_factory=list)  # observed: [[device, [a, b]], ...]
     declared_pool_ids: list[list] | None = None  # what the engine's pool_ids() (or runner) said
     graphs: int = 0  # captures observed in this engine's scope
+    replays: int = 0  # replays of those graphs
+    graph_bytes: dict[str, int] | None = None  # per graph, where the engine's runner measured it
     capture_ms: float = 0.0
     replay_max_abs_err: float | None = None
     pool_bytes: int = 0  # its pools' bytes before release

@@ -15,14 +15,23 @@ from typing import Any
 import torch
 
 from ..backends import Backend
-from ..errors import ConfigError, StalePoolError
+from ..errors import (
+    CapturedAddressError,
+    ConfigError,
+    ExpandableSegmentsHazardError,
+    OverwrittenOutputError,
+    ReplayCheckError,
+    StalePoolError,
+)
 from ..ledger import Key, ledger
 from ..trees import leaves
-from .caller import Caller
+from .caller import Caller, caller_copy
 from .engine import Engine
 from .record import CycleRecord
 
 ASSERT_MARKERS = ("use_count > 0", "INTERNAL ASSERT FAILED")
+_CHECK_ERRORS = ((ReplayCheckError, "replay_check"), (OverwrittenOutputError, "replay_check"),
+                 (CapturedAddressError, "captured_address"), (ExpandableSegmentsHazardError, "expandable_teardown"))
 
 
 def settle(be: Backend) -> None:
@@ -48,8 +57,10 @@ def capture(engine: Engine, rec: CycleRecord) -> None:
     rec.capture_ms = (time.perf_counter() - t0) * 1e3
 
 
-def exercise(engine: Engine, rec: CycleRecord, atol: float) -> Any:
-    """Run the example input (capturing first if the engine captures lazily) and compare with eager."""
+def exercise(engine: Engine, rec: CycleRecord, atol: float, reload: Callable[[Any], Any] | None = None) -> Any:
+    """Run the example input (capturing first if the engine captures lazily) and compare with eager; with
+    ``reload``, reload the engine's weights, run again and compare again: graphs that still read the old
+    tensors give the old answer."""
     if engine.example_input is None:
         return None
     x = engine.example_input()
@@ -62,7 +73,38 @@ def exercise(engine: Engine, rec: CycleRecord, atol: float) -> Any:
         rec.replay_max_abs_err = err
         if not err <= atol:  # NaN fails too
             rec.add("replay_mismatch", f"replay differs from eager by {err:.3g} > atol {atol}")
+    if reload is None:
+        return y
+    y = caller_copy(y)  # the next run overwrites the first one's output
+    reload(engine.obj)
+    y = engine.run(x)
+    runner = getattr(engine.obj, "runner", None)
+    named = runner.check_addresses(raise_=False) if getattr(runner, "checked", False) else []
+    for problem in named:
+        rec.add("captured_address", f"after reload: {problem}")
+    if engine.eager is not None and not named:
+        err = max_abs_err(y, engine.eager(x))
+        if not err <= atol:
+            rec.add("captured_address", f"after reload(engine) the replay differs from eager by {err:.3g} > atol "
+                                        f"{atol}: the graphs still read tensors from before the reload (reload in "
+                                        "place, param.data.copy_(new), or capture again)")
     return y
+
+
+def budget(rec: CycleRecord, graph_bytes: dict[str, int] | None, max_pool_bytes: int | None,
+           max_captures: int | None, require_replay: bool) -> None:
+    """The engine's memory and capture budgets, and whether its graphs ever ran (or it silently ran eager)."""
+    rec.replays, _ = ledger.replays_in(rec.engine)
+    rec.graph_bytes = graph_bytes
+    if max_pool_bytes is not None and rec.pool_bytes > max_pool_bytes:
+        rec.add("pool_over_budget", f"its graph pools hold {rec.pool_bytes} bytes, over max_pool_bytes="
+                                    f"{max_pool_bytes}", rec.pool_bytes)
+    if max_captures is not None and rec.graphs > max_captures:
+        rec.add("too_many_captures", f"{rec.graphs} captures, over max_captures={max_captures} (recaptures count)")
+    if require_replay and not rec.replays:
+        rec.add("never_replayed", f"{rec.graphs} graph(s) captured, none replayed: the engine ran eagerly "
+                                  "(require_replay=True)" if rec.graphs else
+                "no graph was captured or replayed: the engine ran eagerly (require_replay=True)")
 
 
 def max_abs_err(a: Any, b: Any) -> float:
@@ -81,6 +123,10 @@ def failed(e: BaseException, rec: CycleRecord, be: Backend, since: int, step: st
     first = (str(e).strip().splitlines() or [type(e).__name__])[0]
     attempts = ledger.stale_since(since, be.world)
     asserted = not isinstance(e, StalePoolError) and any(m in str(e) for m in ASSERT_MARKERS)
+    kind = next((k for cls, k in _CHECK_ERRORS if isinstance(e, cls)), None)
+    if kind is not None:
+        rec.add(kind, f"{type(e).__name__}: {e}")
+        return
     if isinstance(e, StalePoolError) or asserted:
         a = attempts[-1] if attempts else None
         if asserted:

@@ -41,6 +41,7 @@ def _install() -> None:
         _patch(cls, "capture_begin", lambda f, a=api: wrappers.capture_begin(a, hooks, f))
         _patch(cls, "capture_end", lambda f, a=api: wrappers.capture_end(a, hooks, f))
         _patch(cls, "reset", lambda f, a=api: wrappers.reset(a, hooks, f))
+        _patch(cls, "replay", lambda f, a=api: wrappers.replay(a, hooks, f))
         for owner, name, parse in api.handles:
             _patch(owner, name, lambda f, p=parse: wrappers.handle(p, hooks, f))
         if api.mempool_cls is not None and api.mempool_parse is not None:

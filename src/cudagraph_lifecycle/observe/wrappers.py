@@ -17,7 +17,7 @@ from typing import Any
 
 from ..backends.base import Backend, GraphAPI
 from ..ledger import STACK_DEPTH as _DEPTH
-from ..ledger import GraphEntry, Ledger, Stack
+from ..ledger import GraphEntry, Ledger, Stack, TeardownHazard
 
 TAG = "_cudagraph_ledger_entry"  # where a graph carries its ledger entry
 
@@ -60,6 +60,26 @@ class Hooks:
         rules = self.judges.get(world)
         if rules:
             rules[-1](attempt)
+
+    def before_last_reset(self, be: Backend | None, g: GraphEntry) -> None:
+        """With expandable segments, resetting a pool's last graph while blocks of it are alive crashes the
+        process when those blocks are freed later (measured: SIGSEGV): record it, and let the judge refuse."""
+        if be is None or not be.expandable_segments():
+            return
+        led = self.ledger
+        e = led.pools.get((g.world, g.device, g.pool_id))
+        if e is None or e.held + e.device_extra != 1:
+            return
+        blocks = be.live_blocks(g.pool_id, g.device)
+        live = sum(b.size for b in blocks) or be.pool_state(g.pool_id, g.device).allocated_bytes
+        if not live:
+            return
+        hazard = TeardownHazard(e.key, led.scope, led.next_seq(), e.owner, live,
+                                tuple(b.stack for b in blocks if b.stack)[:8], str(Stack.here(2)))
+        led.note_hazard(hazard)
+        rules = self.judges.get(g.world)
+        if rules:
+            rules[-1](hazard)
 
     def entry_of(self, graph: Any) -> GraphEntry | None:
         d = getattr(graph, "__dict__", None)
@@ -143,11 +163,27 @@ def reset(api: GraphAPI, hooks: Hooks, original):
 
     @functools.wraps(original)
     def wrapper(graph, *args, **kwargs):
-        out = original(graph, *args, **kwargs)
         g = hooks.entry_of(graph)
+        if g is not None and g.captured and g.counted:
+            hooks.before_last_reset(api.graph_backend(graph), g)
+        out = original(graph, *args, **kwargs)
         if g is not None and g.captured:
             led.released(g, Stack.here())
         return out
+
+    return wrapper
+
+
+def replay(api: GraphAPI, hooks: Hooks, original):
+    """Counts replays (a graph never replayed means its engine silently ran eagerly): one dict lookup."""
+    empty: dict = {}
+
+    @functools.wraps(original)
+    def wrapper(graph, *args, **kwargs):
+        g = getattr(graph, "__dict__", empty).get(TAG)
+        if g is not None:
+            g.replays += 1
+        return original(graph, *args, **kwargs)
 
     return wrapper
 

@@ -9,7 +9,7 @@ from typing import Any
 from ..backends import Backend, PoolId
 from ..ledger import ledger
 
-FINDING_KINDS = ("unreleased_graph", "pinned_pool", "pool_never_retired")
+FINDING_KINDS = ("unreleased_graph", "pinned_pool", "pool_never_retired", "expandable_teardown")
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,12 @@ def collect(backend: Backend, since: int = 0, scope: str | None = None) -> list[
     with ``scope``, by that engine scope)."""
     world = backend.world
     out: list[Finding] = []
+    for h in list(ledger.hazards):
+        if h.key[0] == world and h.seq > since and (scope is None or h.scope == scope):
+            out.append(Finding(
+                "expandable_teardown", h.key[2], h.key[1], h.live_bytes,
+                f"the last graph of pool {h.key[2]} was reset while {h.live_bytes} bytes of it were alive, under "
+                "expandable_segments:True: freeing them crashes the process", h.stacks or (h.reset_at,), h.owner))
     for g in ledger.live_graphs(world):
         if g.seq > since and (scope is None or g.scope == scope):
             out.append(Finding(

@@ -22,11 +22,12 @@ from typing import Any
 
 from .. import observe
 from ..backends import Backend, PoolId, get_backend
+from ..checks import mode as checked_mode
 from ..choices import SANITIZE_MODES
 from ..errors import ConfigError
-from ..ledger import StaleAttempt, ledger
+from ..ledger import StaleAttempt, TeardownHazard, ledger
 from .findings import Finding, collect
-from .stale import stale_error
+from .stale import hazard_error, stale_error
 
 
 class PoolSanitizer:
@@ -50,14 +51,18 @@ class PoolSanitizer:
         self._since = 0
         self._stale_seen = 0
 
-    def _judge(self, attempt: StaleAttempt) -> None:
-        raise stale_error(self.backend, attempt)
+    def _judge(self, event: StaleAttempt | TeardownHazard) -> None:
+        if isinstance(event, TeardownHazard):
+            raise hazard_error(event)
+        raise stale_error(self.backend, event)
 
     def start(self) -> PoolSanitizer:
         if self.active:
             return self
         observe.acquire()
         observe.add_judge(self.backend.world, self._judge)
+        if self.mode == "strict":
+            checked_mode.hold()  # strict also turns on the replay-correctness checks
         if self.record_history:
             self.history_note = self.backend.record_history(True)
         self._since = ledger.seq
@@ -69,6 +74,8 @@ class PoolSanitizer:
             return
         self.active = False
         observe.remove_judge(self.backend.world, self._judge)
+        if self.mode == "strict":
+            checked_mode.release()
         observe.release()
 
     def __enter__(self) -> PoolSanitizer:

@@ -1,10 +1,11 @@
-"""The stale-capture judgment: a capture into a dead pool raises before the allocator sees it."""
+"""The judgments that raise before the allocator acts: a capture into a dead pool, and (under expandable
+segments) the reset of a pool's last graph while blocks of it are alive."""
 
 from __future__ import annotations
 
 from ..backends import Backend
-from ..errors import StalePoolError
-from ..ledger import StaleAttempt
+from ..errors import ExpandableSegmentsHazardError, StalePoolError
+from ..ledger import StaleAttempt, TeardownHazard
 
 
 def stale_error(backend: Backend, attempt: StaleAttempt) -> StalePoolError:
@@ -32,3 +33,16 @@ def stale_error(backend: Backend, attempt: StaleAttempt) -> StalePoolError:
     )
     err.pool_id, err.device, err.owner = tuple(pool_id), device, attempt.owner
     return err
+
+
+def hazard_error(hazard: TeardownHazard) -> ExpandableSegmentsHazardError:
+    """The error for resetting a pool's last graph while blocks of it live, under expandable segments."""
+    _, device, pool_id = hazard.key
+    stacks = "".join(f"--- a live block allocated at ---\n{s}" for s in hazard.stacks) or (
+        "(allocation stacks: record history, e.g. PoolSanitizer(record_history=True))\n")
+    return ExpandableSegmentsHazardError(
+        f"reset of the last graph of pool {tuple(pool_id)} on device {device} while {hazard.live_bytes} bytes "
+        "allocated in its captures are alive, under expandable_segments:True: freeing them afterwards crashes the "
+        "process (SIGSEGV). Drop (or copy out and drop) every output and tensor of the pool's captures before the "
+        f"reset, so the graph goes last. The graph was NOT reset.{f' The pool was made by {hazard.owner}.' if hazard.owner else ''}\n"
+        f"--- the reset at ---\n{hazard.reset_at}{stacks}")

@@ -1,0 +1,13 @@
+"""Replay-correctness checks no engine ships: captured addresses that died or moved, outputs used after a
+later replay overwrote them, poisoned padding and rows a replay never wrote, the op that broke a capture.
+The runner runs them in checked mode (``CUDAGraphRunner(checked=True)``, ``CUDAGRAPH_CHECKED=1``, or any
+sanitizer in ``strict`` mode)."""
+
+from .addresses import AddressBook, named_tensors
+from .capture_watch import CaptureWatch, user_frame
+from .mode import enabled
+from .outputs import CheckedOutput, OutputGuard
+from .padding import checked_replay
+
+__all__ = ["AddressBook", "CaptureWatch", "CheckedOutput", "OutputGuard", "checked_replay", "enabled",
+           "named_tensors", "user_frame"]

@@ -1,0 +1,100 @@
+"""The replay-correctness checks on the simulated allocator: each catches its bug and passes a correct engine."""
+
+import pytest
+import torch
+
+from cudagraph_lifecycle import CUDAGraphRunner, PoolSanitizer
+from cudagraph_lifecycle.backends.sim import SimBackend
+from cudagraph_lifecycle.checks import enabled
+from cudagraph_lifecycle.errors import CapturedAddressError, OverwrittenOutputError, ReplayCheckError
+
+
+def runner(fwd, **kw):
+    kw.setdefault("backend", SimBackend())
+    return CUDAGraphRunner(fwd, [2, 4], (8,), checked=kw.pop("checked", True), **kw)
+
+
+def test_an_output_used_after_the_next_replay_raises_naming_both():
+    r = runner(lambda x: x * 2)
+    first = r.run(torch.ones(3, 8))
+    kept = r.run(torch.ones(3, 8)).clone()  # the right way: copy before the next step
+    second = r.run(torch.full((3, 8), 3.0))
+    with pytest.raises(OverwrittenOutputError) as e:
+        first.sum()
+    text = str(e.value)
+    assert "returned by replay 1 at" in text and "overwritten by the replay at" in text
+    assert text.count("test_checks.py") >= 2  # both call sites are this file's lines
+    assert torch.equal(second, torch.full((3, 8), 6.0)) and torch.equal(kept, torch.full((3, 8), 2.0))
+    del first, second, e  # the error's traceback holds the overwritten output too
+    assert r.release().clean
+
+
+def test_unchecked_runners_return_plain_views():
+    r = runner(lambda x: x * 2, checked=False)
+    first = r.run(torch.ones(3, 8))
+    r.run(torch.full((3, 8), 3.0))
+    assert torch.equal(first, torch.full((3, 8), 6.0))  # silently overwritten: what checked mode catches
+    del first
+    r.release()
+
+
+def test_rows_that_depend_on_the_padding_are_caught():
+    r = runner(lambda x: x - x.mean(dim=0))  # mixes rows across the batch: padding leaks into real rows
+    with pytest.raises(ReplayCheckError, match="depend on the padding"):
+        r.run(torch.randn(3, 8))
+    assert runner(lambda x: x - x.mean(dim=1, keepdim=True)).run(torch.randn(3, 8)).shape == (3, 8)  # per row: fine
+
+
+def test_rows_the_replay_never_writes_are_caught():
+    cache = torch.zeros(4, 8)
+
+    def fwd(x):  # returns a cache the captured ops never write
+        return cache[: x.shape[0]]
+
+    with pytest.raises(ReplayCheckError, match=r"wrote nothing to rows \[0, 1, 2\]"):
+        runner(fwd).run(torch.ones(3, 8))
+
+
+def test_the_op_that_broke_a_capture_is_named_and_the_pool_left_clean():
+    be = SimBackend()
+
+    def fwd(x):
+        if x.sum().item() > -1:  # a host sync: illegal while capturing
+            return x * 2
+        return x
+
+    for checked in (True, False):
+        r = runner(fwd, backend=be, checked=checked)
+        y = r.run(torch.ones(3, 8))  # falls back to eager, with the reason
+        assert torch.equal(y, torch.full((3, 8), 2.0)) and r.stats.fallbacks == {"capture_failed": 1}
+        failure = r.stats.failures[0]
+        assert "the op that broke the capture:" in failure and "test_checks.py" in failure and "in fwd" in failure
+        if checked:
+            assert "_local_scalar_dense" in failure
+        del y
+        report = r.release()
+        assert report.clean and report.reserved_after == 0
+
+
+def test_weights_moved_after_capture_are_named():
+    lin = torch.nn.Linear(8, 8)
+    r = runner(lambda x: lin(x), names=lin)
+    with torch.no_grad():
+        r.run(torch.ones(3, 8))
+    assert r.check_addresses() == []
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(8, 8))  # an in-place reload: the graph reads the new weights
+    assert r.check_addresses() == []
+    lin.weight.data = torch.randn(8, 8)  # a reload into new memory: the graph still reads the old
+    with pytest.raises(CapturedAddressError) as e:
+        r.check_addresses()
+    assert "weight: captured at 0x" in str(e.value) and "now at 0x" in str(e.value) and "graph 4" in str(e.value)
+    assert [p.split(":")[0] for p in r.check_addresses(raise_=False)] == ["weight"]
+    r.release()
+
+
+def test_a_strict_sanitizer_turns_the_checks_on():
+    assert not enabled()
+    with PoolSanitizer("sim", mode="strict"):
+        assert enabled() and CUDAGraphRunner(lambda x: x, [1], (2,), backend="sim").checked
+    assert not enabled() and not CUDAGraphRunner(lambda x: x, [1], (2,), backend="sim").checked
