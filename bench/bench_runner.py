@@ -174,6 +174,27 @@ def memory_case(be, sizes, **model):
     return res
 
 
+def bench_checks(be, iters):
+    """What checked mode costs, side by side with the default runner: one step (batch 3 on the batch-4
+    graph: two replays with poisoned padding, the output guard) and one capture set (ops watched)."""
+    dev = be.torch_device(0)
+    dtype = torch.float16 if be.name == "cuda" else torch.float32
+    fwd = launch_bound_model(dev, dtype)
+    x = torch.randn(3, 256, device=dev, dtype=dtype)
+    out = {}
+    for checked in (False, True, False, True):  # twice each, interleaved: drift hits both alike
+        r = CUDAGraphRunner(fwd, [1, 2, 4, 8], (256,), dtype=dtype, backend=be, checked=checked)
+        r.capture()
+        us = timeit(be, lambda r=r: r.run(x), iters)[0]
+        name = "checked" if checked else "default"
+        out[f"step_us_{name}"] = min(out.get(f"step_us_{name}", us), us)
+        out[f"capture_ms_{name}"] = min(out.get(f"capture_ms_{name}", r.stats.capture_ms), r.stats.capture_ms)
+        r.release()
+    out["step_ratio"] = out["step_us_checked"] / out["step_us_default"]
+    out["capture_ratio"] = out["capture_ms_checked"] / out["capture_ms_default"]
+    return out
+
+
 def bench_memory(be):
     """Two models: a small square MLP (its blocks straddle the allocator's 1 MiB small/large split, so the
     fixed 2 MiB small segments weigh in), and a decode-sized one (Llama-8B-like MLP blocks in bf16)."""
@@ -334,6 +355,7 @@ def main():
     out["step"] = bench_step(be, iters)
     out["memory"] = bench_memory(be)
     out["release"] = bench_release(be)
+    out["checks"] = bench_checks(be, iters // 4)
     out["sanitizer"] = bench_sanitizer(be) if be.name == "cuda" else bench_sanitizer(be, rounds=20, step_rounds=2)
     emit(out, a.json)
 

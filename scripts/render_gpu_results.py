@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 
 from cudagraph_lifecycle.conformance import run_table
@@ -64,6 +65,12 @@ def main(folder: str) -> None:
                 print(f"| sanitizer: its wrappers' own time per capture | {san['wrapper_us_per_capture']:.1f} µs "
                       f"({san['wrapper_share_of_capture'] * 100:.1f}% of capture time) | |")
             print(f"| sanitizer: replay step ratio | {san['step_ratio']:.3f} | within noise |")
+        chk = br.get("checks")
+        if chk:
+            print(f"| checked mode: step / default step (batch 3 on the batch-4 graph) | {chk['step_ratio']:.2f} "
+                  f"({chk['step_us_checked']:.1f} vs {chk['step_us_default']:.1f} µs) | may cost more |")
+            print(f"| checked mode: capture / default capture (4 graphs) | {chk['capture_ratio']:.2f} "
+                  f"({chk['capture_ms_checked']:.1f} vs {chk['capture_ms_default']:.1f} ms) | may cost more |")
     bw = load(folder, "bench-worker.json")
     if bw:
         print(f"| worker call / bare Pipe round trip | {bw['call']['ratio']:.2f} ({bw['call']['worker_call_us']:.0f} "
@@ -78,6 +85,20 @@ def main(folder: str) -> None:
         pe = bm["per_engine"]
         print(f"| per engine: fresh mpirun / reused rank (2 ranks) | {pe['ratio']:.0f}× ({pe['fresh_mpirun_s']:.2f} vs "
               f"{pe['reused_rank_s']:.3f} s) | |")
+    soak = load(folder, "bench-soak.json")
+    if soak:
+        sm = soak["summary"]
+        print(f"| soak: {sm['engines']} engines in one reused worker | verdicts {sm['verdicts']}, most bytes left in a "
+              f"graph pool {sm['max_pool_bytes_after_release']}, cycle {sm['cycle_ms_first20_median']:.0f} → "
+              f"{sm['cycle_ms_last20_median']:.0f} ms (first 20 spread {sm['cycle_ms_first20_spread'][0]:.0f}–"
+              f"{sm['cycle_ms_first20_spread'][1]:.0f}) | 0 bytes, no trend |")
+    pi = load(folder, "bench-plugin-import.json")
+    if pi:
+        print(f"| plugin auto-loaded / -p no:cudagraph, one-test session CPU time | {pi['cpu_ratio']:.2f} "
+              f"({pi['cpu_s_loaded']:.2f} vs {pi['cpu_s_disabled']:.2f} s) | ≤ 1.15 |")
+    matrix = load(folder, "peer-matrix.json")
+    if matrix:
+        print_matrix(matrix)
     for name in ("examples-fork.json", "examples-spawn.json", "examples-mpi.json"):
         ex = load(folder, name)
         if ex:
@@ -85,9 +106,33 @@ def main(folder: str) -> None:
             outcomes = {}
             for test in ex["tests"]:
                 outcomes[test["outcome"]] = outcomes.get(test["outcome"], 0) + 1
+            verdicts = ", ".join(f"{v} {t[v]}" for v in ("fresh", "held", "leaked", "stale", "reused", "error")
+                                 if t.get(v))
             print(f"\n{name}: start method {ex['meta']['start_method']}, backend {ex['meta']['effective_backend']}, "
-                  f"exit {ex['meta']['exitstatus']}; tests {outcomes}; cycles {t['cycles']}, fresh {t['fresh']}, "
-                  f"not fresh {t['not_fresh']}")
+                  f"exit {ex['meta']['exitstatus']}; tests {outcomes}; cycles {t['cycles']} ({verdicts}); "
+                  f"lifecycle failures {t.get('lifecycle_failures')}")
+
+
+def print_matrix(report: dict) -> None:
+    """The peer-style engine matrix: per style and output mode, the verdicts with the sanitizer on and off,
+    and whether plain PyTorch's asserts fell where the table says stale."""
+    cells: dict[tuple[str, str], dict[str, str]] = {}
+    for test in report["tests"]:
+        m = re.search(r"\[(\w)-(hold|drop)(?:-(on|off))?\]", test["nodeid"])
+        if not m:
+            continue
+        style, mode, sanitize = m.groups()
+        cell = cells.setdefault((style, mode), {})
+        if "test_verdicts" in test["nodeid"]:
+            cell[sanitize] = " ".join(c["verdict"] for c in test["cycles"]) + ("" if test["outcome"] == "passed"
+                                                                              else f" ({test['outcome'].upper()})")
+        else:
+            cell["truth"] = "as the table" if test["outcome"] == "passed" else test["outcome"].upper()
+    ok = sum(1 for t in report["tests"] if t["outcome"] == "passed")
+    print(f"\n## Peer-style engine matrix ({ok}/{len(report['tests'])} tests passed)\n")
+    print("| style | caller | sanitizer on | sanitizer off | plain PyTorch |\n|---|---|---|---|---|")
+    for (style, mode), cell in sorted(cells.items()):
+        print(f"| {style} | {mode} | {cell.get('on', '-')} | {cell.get('off', '-')} | {cell.get('truth', '-')} |")
 
 
 if __name__ == "__main__":

@@ -236,3 +236,97 @@ def runners_by_name_share_one_capture_stream():
     s1, after_first = engine()
     s2, after_second = engine()
     return {"same_stream": s1 is s2, "growth_second": after_second - after_first}
+
+
+def checked_runner_catches_its_bugs():
+    """The replay-correctness checks on real CUDA graphs: each bug caught, a correct runner passing."""
+    from cudagraph_lifecycle.errors import CapturedAddressError, OverwrittenOutputError, ReplayCheckError
+
+    _without_worker_sanitizer()
+    out = {}
+    lin = torch.nn.Linear(64, 64).cuda().requires_grad_(False)
+    r = CUDAGraphRunner(lin, [2, 4], (64,), backend="cuda", checked=True, names=lin)
+    x = torch.randn(3, 64, device="cuda")
+    first = r.run(x)
+    out["correct"] = bool(torch.allclose(first, lin(x), atol=1e-5))
+    second = r.run(x * 2)
+    try:
+        first.sum()
+        out["overwritten"] = "not raised"
+    except OverwrittenOutputError as e:
+        out["overwritten"] = str(e).splitlines()[0]
+    del first, second
+    lin.weight.data = torch.randn(64, 64, device="cuda")  # a reload into new memory
+    try:
+        r.check_addresses()
+        out["address"] = "not raised"
+    except CapturedAddressError as e:
+        out["address"] = str(e).splitlines()[1]
+    out["clean"] = r.release().clean
+
+    mixing = CUDAGraphRunner(lambda v: v - v.mean(dim=0), [4], (64,), backend="cuda", checked=True)
+    try:
+        mixing.run(torch.randn(3, 64, device="cuda"))
+        out["padding"] = "not raised"
+    except ReplayCheckError as e:
+        out["padding"] = str(e)
+    mixing.release()
+
+    def syncs(v):
+        if v.sum().item() > -1e30:  # a host sync: illegal while capturing
+            return v * 2
+        return v
+
+    broken = CUDAGraphRunner(syncs, [4], (64,), backend="cuda", checked=True)
+    broken.run(torch.ones(3, 64, device="cuda"))
+    out["broken"] = broken.stats.failures[0]
+    out["broken_clean"] = broken.release().clean
+    return out
+
+
+_EXPANDABLE = """
+import sys, torch
+sanitize = {sanitize}
+from cudagraph_lifecycle import PoolSanitizer
+from cudagraph_lifecycle.errors import ExpandableSegmentsHazardError
+if sanitize:
+    PoolSanitizer("cuda").start()
+x = torch.ones(1 << 20, device="cuda")
+s = torch.cuda.Stream()
+with torch.cuda.stream(s):
+    x * 2  # cuBLAS and friends out of the capture
+torch.cuda.synchronize()
+g = torch.cuda.CUDAGraph()
+with torch.cuda.graph(g, pool=torch.cuda.graph_pool_handle(), stream=s):
+    y = x * 2
+try:
+    g.reset()  # the pool's last graph, while y (a block of the pool) is alive
+    print("reset", flush=True)
+except ExpandableSegmentsHazardError as e:
+    print("refused:", str(e).splitlines()[0][:80], flush=True)
+del y  # plain PyTorch: freeing the block now touches the torn-down pool
+torch.cuda.synchronize()
+torch.cuda.empty_cache()
+g.reset()
+z = torch.ones(8, device="cuda") * 3
+torch.cuda.synchronize()
+print("survived", flush=True)
+"""
+
+
+def expandable_segments_teardown_in_fresh_processes():
+    """Each in a fresh process with expandable segments: plain PyTorch, then under the sanitizer."""
+    import os
+    import subprocess
+    import sys
+
+    out = {}
+    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
+    env.pop("CUDAGRAPH_SANITIZE", None)
+    for sanitize in (False, True):
+        p = subprocess.run([sys.executable, "-c", _EXPANDABLE.format(sanitize=sanitize)], capture_output=True,
+                           text=True, timeout=120, env=env)
+        out["sanitized" if sanitize else "plain"] = {
+            "rc": p.returncode, "stdout": p.stdout.strip().splitlines(),
+            "stderr_tail": [ln for ln in p.stderr.strip().splitlines() if ln.strip()][-3:]}
+    return out

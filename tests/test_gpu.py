@@ -112,3 +112,19 @@ def test_first_cuda_use_in_a_marked_test_is_watched(pytester):
     # The test's first line initializes CUDA: the sanitizer must already be watching (installed at set-up).
     pytester.makepyfile(test_first=FIRST_CUDA_USE)
     pytester.runpytest_subprocess("-p", "cudagraph", "-p", "no:cacheprovider").assert_outcomes(passed=1)
+
+
+def test_checked_runner_catches_overwritten_outputs_padding_addresses_and_the_broken_op(cudagraph_worker):
+    r = cudagraph_worker.call(gpu_cases.checked_runner_catches_its_bugs)
+    assert r["correct"] and r["clean"] and r["broken_clean"], r
+    assert "overwritten by a later replay" in r["overwritten"], r
+    assert r["address"].startswith("- weight: captured at 0x"), r
+    assert "depend on the padding" in r["padding"], r
+    assert "the op that broke the capture: aten._local_scalar_dense" in r["broken"] and "in syncs" in r["broken"], r
+
+
+def test_expandable_segments_teardown_crashes_plain_pytorch_and_the_sanitizer_refuses_it(cudagraph_worker):
+    r = cudagraph_worker.call(gpu_cases.expandable_segments_teardown_in_fresh_processes)
+    print("expandable segments:", r)
+    assert r["sanitized"]["rc"] == 0 and r["sanitized"]["stdout"][0].startswith("refused: reset of the last graph")
+    assert r["sanitized"]["stdout"][-1] == "survived", r
