@@ -3,20 +3,22 @@ way TensorRT-LLM deploys them (a module-scoped pool of 2, 4 or 8 ranks).
 
 The executor lives in a controller process (a :class:`ReusedWorker`), not in pytest: when a rank dies,
 the MPI runtime may abort the whole job, and with it the process that spawned the ranks. Behind the
-controller that costs one worker, reported as a crash with the rank's stderr; the controller's process group
-(the MPI daemon and every rank) is killed on a timeout; the next call starts fresh ranks.
+controller that costs one worker, reported as a crash with the rank's stderr. On a timeout the controller's
+session is killed; the MPI daemon (Open MPI's orted runs in a session of its own) then ends its ranks and
+itself. The next call starts fresh ranks.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import socket
 import sys
 from typing import Any
 
 import cloudpickle
 
-from .worker import ReusedWorker
+from .worker import ReusedWorker, dumps_call
 
 # Open MPI refuses root and more ranks than cores unless told: CI machines and containers are both.
 MPI_ENV = {
@@ -39,12 +41,16 @@ def mpi_unavailable_reason() -> str | None:
 
 _executor = None
 _executor_size = 0
-_rank_pids: dict[int, int] = {}
+_rank_procs: dict[int, tuple[str, int]] = {}  # rank -> (hostname, pid), recorded when the ranks start
 
 
 def _on_rank(payload: bytes) -> bytes:
+    import faulthandler
+
     from mpi4py import MPI
 
+    if not faulthandler.is_enabled():
+        faulthandler.enable()  # a fatal signal on a rank names its Python frames in the crash report
     comm = MPI.COMM_WORLD
     comm.Barrier()  # every rank takes exactly one task of the batch
     rank = comm.Get_rank()
@@ -57,12 +63,25 @@ def _on_rank(payload: bytes) -> bytes:
         return cloudpickle.dumps((rank, os.getpid(), "err", (type(e).__qualname__, str(e), traceback.format_exc())))
 
 
-def _dead(pid: int) -> bool:
+def rank_dead(host: str, pid: int, here: str | None = None) -> bool:
+    """Whether the rank process ``pid`` on ``host`` is known to be dead.
+
+    Only a rank on this host can be judged (its pid is gone, or a zombie where /proc exists); a pid from
+    another host means nothing here, so a rank there is never declared dead: a rank that dies on another
+    host is caught by the call timeout (``--cudagraph-timeout``) instead."""
+    if host != (here or socket.gethostname()):
+        return False
     try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass  # it exists
+    try:  # a zombie still answers os.kill
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        return True
+    except OSError:
+        return False  # no /proc here (os.kill found it), or it went just now (the next check sees it)
 
 
 def _run_batch(ranks: int, payload: bytes) -> list[tuple]:
@@ -73,11 +92,13 @@ def _run_batch(ranks: int, payload: bytes) -> list[tuple]:
         _, pending = wait(futs, timeout=0.5)
         if not pending:
             return sorted((cloudpickle.loads(f.result()) for f in futs), key=lambda r: r[0])
-        dead = [(r, p) for r, p in _rank_pids.items() if _dead(p)]
+        here = socket.gethostname()
+        dead = [(r, host, pid) for r, (host, pid) in _rank_procs.items() if rank_dead(host, pid, here)]
         if dead:
             # A dead rank leaves the batch waiting forever, and the MPI job is broken: end this controller
             # so the caller reports a crash (the rank's own stderr is above) and starts fresh ranks.
-            print(f"cudagraph mpi: rank {dead[0][0]} (pid {dead[0][1]}) died during the call", file=sys.stderr,
+            rank, host, pid = dead[0]
+            print(f"cudagraph mpi: rank {rank} (pid {pid} on {host}) died during the call", file=sys.stderr,
                   flush=True)
             os._exit(70)
 
@@ -92,9 +113,9 @@ def _call_all(ranks: int, payload: bytes, path: list[str]) -> list[tuple]:
             _executor.shutdown(wait=True)
         _executor = MPIPoolExecutor(max_workers=ranks, path=path)
         _executor_size = ranks
-        _rank_pids.clear()
-        for rank, pid, _, _ in _run_batch(ranks, cloudpickle.dumps((os.getpid, (), {}))):
-            _rank_pids[rank] = pid
+        _rank_procs.clear()
+        for rank, pid, _, host in _run_batch(ranks, cloudpickle.dumps((socket.gethostname, (), {}))):
+            _rank_procs[rank] = (host, pid)
     return _run_batch(ranks, payload)
 
 
@@ -113,7 +134,8 @@ class MPIRanks:
 
     Returns ``[(rank, pid, value), ...]``; raises :class:`RankError` if it raised on any rank, and the
     controller's :class:`WorkerCrashed` / :class:`WorkerTimeout` when a rank crashed or hung (the ranks are
-    then replaced at the next call).
+    then replaced at the next call). A rank that dies on this host ends the call at once; one on another
+    host only through the timeout, so give one when ranks span hosts.
     """
 
     def __init__(self, ranks: int = 2, timeout: float | None = None, env: dict[str, str] | None = None):
@@ -128,7 +150,7 @@ class MPIRanks:
                                        name=f"mpi{ranks}")
 
     def call_all(self, fn, *args: Any, **kwargs: Any) -> list[tuple[int, int, Any]]:
-        payload = cloudpickle.dumps((fn, args, kwargs))
+        payload = dumps_call(fn, args, kwargs)
         results = self.controller.call(_call_all, self.ranks, payload, list(sys.path))
         failures = [(rank, pid, v) for rank, pid, status, v in results if status == "err"]
         if failures:

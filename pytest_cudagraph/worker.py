@@ -2,7 +2,11 @@
 calls, as a reused MPI rank does. Crashes and timeouts come back as reports; the worker is then replaced.
 
 Never forks a process whose CUDA is initialized (the child could not use CUDA): ``auto`` forks when the
-parent has not touched CUDA, and spawns (cloudpickle for closures and lambdas) when it has.
+parent has not touched CUDA, and spawns (cloudpickle for closures and lambdas) when it has; decided again at
+every start, so a restart after the parent initialized CUDA spawns.
+
+The child runs in its own session: a terminal's Ctrl-C reaches only pytest, and ending the worker (close, a
+timeout, a crash, an interrupted call) kills the whole session, so nothing the child started outlives it.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ class WorkerCrashed(WorkerError):
 
 
 class WorkerTimeout(WorkerError):
-    """A call ran past the timeout; the worker's process group was killed."""
+    """A call ran past the timeout; the worker and everything it started were killed."""
 
 
 class RemoteError(WorkerError):
@@ -90,7 +94,7 @@ def resolve_start_method(method: str) -> tuple[str, str]:
     return method, f"{method}: as configured"
 
 
-def _set_parent_death_signal() -> None:
+def _set_parent_death_signal(parent_pid: int | None) -> None:
     # Linux: the worker dies with the pytest process, even on SIGKILL of the parent.
     try:
         import ctypes
@@ -98,7 +102,9 @@ def _set_parent_death_signal() -> None:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except Exception:
-        pass
+        return
+    if parent_pid is not None and os.getppid() != parent_pid:
+        os._exit(1)  # the parent died before the signal was armed: nobody would ever end this child
 
 
 _PARENT_PID = os.getpid()
@@ -109,9 +115,17 @@ def _forked() -> bool:
     return _PARENT_PID != os.getpid()
 
 
-def _child_main(conn, stderr_path: str, sys_path: list[str], env: dict[str, str]) -> None:
-    os.setpgrp()  # its own process group: a timeout kills everything it started
-    _set_parent_death_signal()
+def _child_main(conn, stderr_path: str, sys_path: list[str], env: dict[str, str],
+                parent_pid: int | None) -> None:
+    # Its own session (and process group): no terminal signal reaches it, and ending the worker kills
+    # everything it started.
+    os.setsid()
+    # SIGINT was blocked across the start (ReusedWorker.start): one that came meanwhile was the session's
+    # Ctrl-C, meant for pytest. Drop it (ignoring discards a pending signal), then restore the usual handler.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    _set_parent_death_signal(parent_pid)
     fd = os.open(stderr_path, os.O_WRONLY | os.O_APPEND)
     os.dup2(fd, 2)
     os.close(fd)
@@ -156,6 +170,85 @@ def _child_main(conn, stderr_path: str, sys_path: list[str], env: dict[str, str]
         conn.send_bytes(reply)
 
 
+def dumps_call(fn, args: tuple, kwargs: dict) -> bytes:
+    """``(fn, args, kwargs)`` pickled for a worker or a rank; :class:`UnpicklableCallableError` says why not."""
+    try:
+        return cloudpickle.dumps((fn, args, kwargs))
+    except Exception as e:
+        name = getattr(fn, "__qualname__", repr(fn))
+        raise UnpicklableCallableError(
+            f"cannot send {name} to the worker: {type(e).__name__}: {e}. It is probably a closure over "
+            "an object that cannot be pickled (a lock, a CUDA tensor, an open file, a generator). "
+            "Make it a module-level function and pass plain values as arguments, or build the "
+            "object inside the worker"
+        ) from None
+
+
+def _session_members(sid: int) -> list[int]:
+    """Pids of session ``sid`` that left its process group (Linux /proc; empty elsewhere)."""
+    pids = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return pids
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if int(fields[3]) == sid and int(fields[2]) != sid:  # fields: state, ppid, pgrp, session
+            pids.append(int(entry))
+    return pids
+
+
+def _pid_in_use(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def _kill_session(sid: int) -> None:
+    """SIGKILL every process of the worker's session: its process group, and members that made their own."""
+    for kill, pid in [(os.killpg, sid)] + [(os.kill, p) for p in _session_members(sid)]:
+        try:
+            kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+_FRAME = re.compile(r'^\s*File "(?P<file>.*)", line (?P<line>\d+) in (?P<func>.*)$')
+
+
+def crash_frames(stderr: str, limit: int = 10) -> list[str]:
+    """The innermost ``limit`` frames of the crashing thread in the last faulthandler dump of a fatal error
+    in ``stderr``, as ``file:line in function``.
+
+    faulthandler prints the stack most recent call FIRST, so the tail of stderr shows only the outermost
+    frames (pytest, pluggy, the worker loop); the crashing frame is at the top of the dump."""
+    lines = stderr.splitlines()
+    fatal = [i for i, ln in enumerate(lines) if ln.startswith("Fatal Python error")]
+    if not fatal:
+        return []  # no dump of a crash (SIGKILL, os._exit): nothing to quote
+    # the crashing thread is the dump's "Current thread" (the others print as "Thread 0x..."); "Stack" when
+    # faulthandler dumps one thread only
+    heads = (i for i in range(fatal[-1], len(lines)) if lines[i].startswith(("Current thread", "Stack (")))
+    head = next(heads, None)
+    frames = []
+    for ln in lines[head + 1:] if head is not None else []:
+        m = _FRAME.match(ln)
+        if m is None or len(frames) == limit:
+            break
+        frames.append(f"  {m['file']}:{m['line']} in {m['func']}")
+    return frames
+
+
 _live: weakref.WeakSet[ReusedWorker] = weakref.WeakSet()
 
 
@@ -166,14 +259,23 @@ def close_all_workers() -> None:
 
 atexit.register(close_all_workers)
 
+# close() waits this long for a call running in another thread before it kills the child anyway, and this
+# long for an idle child to leave on its own.
+_CLOSE_LOCK_WAIT_S = 1.0
+_CLOSE_EXIT_WAIT_S = 2.0
+
 
 class ReusedWorker:
     """A child process that keeps its state across :meth:`call`s.
 
     ``call(fn, *args, **kwargs)`` returns ``fn``'s value, or raises :class:`RemoteError` with the child's
-    traceback, :class:`WorkerCrashed` (the child died: signal name or exit code, stderr tail, the
-    allocator's message if it printed one) or :class:`WorkerTimeout`. After a crash, a timeout, or an
-    error that poisons CUDA in the child, the next call starts a new child (``restarts`` counts them).
+    traceback, :class:`WorkerCrashed` (the child died: signal name or exit code, the innermost frames of the
+    crash, stderr tail, the allocator's message if it printed one) or :class:`WorkerTimeout`. After a crash,
+    a timeout, an interrupted call (Ctrl-C), or an error that poisons CUDA in the child, the next call starts
+    a new child (``restarts`` counts them).
+
+    The start method is decided at every start from ``requested_method`` and this process's CUDA state then;
+    ``start_method`` and ``reason`` say what the current child used (before the first start: what it would).
     """
 
     def __init__(
@@ -186,6 +288,7 @@ class ReusedWorker:
         if timeout is not None and timeout <= 0:
             raise ValueError(f"timeout must be > 0 seconds or None, got {timeout!r}")
         self.requested_method = start_method
+        # checked now, so a wrong setting fails where it is made; decided again at every start
         self.start_method, self.reason = resolve_start_method(start_method)
         self.timeout = timeout
         self.env = dict(env or {})
@@ -210,122 +313,154 @@ class ReusedWorker:
     def start(self) -> ReusedWorker:
         if self.alive:
             return self
+        self._kill()  # a child that died between calls: its session and its stderr file go first
+        try:
+            self.start_method, self.reason = resolve_start_method(self.requested_method)
+        except ValueError as e:
+            raise ValueError(f"worker {self.name} cannot start: {e}") from None
         ctx = mp.get_context(self.start_method)
-        fd, self._stderr_path = tempfile.mkstemp(prefix=f"cudagraph-{self.name}-", suffix=".stderr")
+        fd, stderr_path = tempfile.mkstemp(prefix=f"cudagraph-{self.name}-", suffix=".stderr")
         os.close(fd)
         parent, child = ctx.Pipe(duplex=True)
-        self._proc = ctx.Process(
-            target=_child_main, args=(child, self._stderr_path, list(sys.path), self.env), daemon=True
-        )
-        self._proc.start()
-        child.close()
-        self._conn = parent
-        self._needs_restart = False
+        parent_pid = None if self.start_method == "forkserver" else os.getpid()  # forkserver's is its server
+        proc = ctx.Process(target=_child_main, args=(child, stderr_path, list(sys.path), self.env, parent_pid),
+                           daemon=True)
+        if self.start_method != "fork":
+            # spawn and forkserver start multiprocessing's resource tracker on first use, and that UNBLOCKS
+            # SIGINT in this thread afterwards: start it before blocking.
+            from multiprocessing import resource_tracker
+
+            resource_tracker.ensure_running()
+        # Ctrl-C waits until the child is started and recorded: the child must not get it before it is in
+        # its own session (it inherits the blocked mask and unblocks there), and a child started but not
+        # recorded would never be ended.
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            try:
+                proc.start()
+            except BaseException:
+                os.unlink(stderr_path)
+                parent.close()
+                raise
+            finally:
+                child.close()
+            self._proc, self._conn, self._stderr_path = proc, parent, stderr_path
+            self._needs_restart = False
+            _live.add(self)  # again after a close(): close_all_workers must find it
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         return self
 
-    def stderr_tail(self, lines: int = 20) -> str:
+    def _read_stderr(self) -> str:
         if not self._stderr_path or not os.path.exists(self._stderr_path):
             return ""
         with open(self._stderr_path, errors="replace") as f:
-            return "".join(f.readlines()[-lines:])
+            return f.read()
 
-    def _kill(self) -> None:
-        proc, self._proc = self._proc, None
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
-        if proc is None:
-            return
-        if proc.is_alive():
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                proc.kill()
-        proc.join(5)
+    def stderr_tail(self, lines: int = 20) -> str:
+        return "".join(self._read_stderr().splitlines(keepends=True)[-lines:])
 
     def key_lines(self, limit: int = 8) -> list[str]:
-        """The lines of the worker's whole stderr that name a cause (a tail can miss them under a long stack)."""
-        if not self._stderr_path or not os.path.exists(self._stderr_path):
-            return []
-        with open(self._stderr_path, errors="replace") as f:
-            hits = [ln.rstrip() for ln in f if _CAUSE.search(ln)]
-        return hits[-limit:]
+        """The lines of the worker's whole stderr that name a cause (a tail misses them under a long stack)."""
+        return [ln.rstrip() for ln in self._read_stderr().splitlines() if _CAUSE.search(ln)][-limit:]
 
-    def _crash_report(self, proc_exitcode: int | None, during: str) -> WorkerCrashed:
-        tail = self.stderr_tail()
-        if proc_exitcode is not None and proc_exitcode < 0:
+    def _kill(self) -> None:
+        """Ends the child's whole session, whatever the child's state (alive, exited, killed, crashed)."""
+        proc = self._proc
+        if proc is not None:
+            if proc.exitcode is None:  # alive, so its pid (= its session id) is still its own
+                _kill_session(proc.pid)
+                proc.kill()  # in case it is not in its own session yet
+            elif not _pid_in_use(proc.pid):
+                # Gone, but what it started may live on in its session. (A process that now has its pid is
+                # someone else's, and then its session is empty: a number is reused only once unreferenced.)
+                _kill_session(proc.pid)
+            proc.join(5)
+        if self._conn is not None:
+            self._conn.close()
+        if self._stderr_path and os.path.exists(self._stderr_path):
+            os.unlink(self._stderr_path)
+        self._proc = self._conn = self._stderr_path = None
+
+    def _replace(self) -> None:
+        """The child is of no use any more (crashed, hung, interrupted, poisoned): the next call starts one."""
+        self._kill()
+        self.restarts += 1
+
+    def _crash_report(self, proc, during: str) -> WorkerCrashed:
+        proc.join(5)
+        code = proc.exitcode
+        if code is not None and code < 0:
             try:
-                cause = f"killed by signal {signal.Signals(-proc_exitcode).name}"
+                cause = f"killed by signal {signal.Signals(-code).name}"
             except ValueError:
-                cause = f"killed by signal {-proc_exitcode}"
+                cause = f"killed by signal {-code}"
         else:
-            cause = f"exited with code {proc_exitcode}"
+            cause = f"exited with code {code}"
+        tail = self.stderr_tail()
         assert_lines = [ln for ln in tail.splitlines() if any(m in ln for m in _POISON_MARKERS)]
-        msg = f"worker {self.name} (pid {self.pid}) {cause} during {during}"
+        msg = f"worker {self.name} (pid {proc.pid}) {cause} during {during}"
         if assert_lines:
             msg += f"\nallocator: {assert_lines[-1].strip()}"
+        frames = crash_frames(self._read_stderr())
+        if frames:
+            msg += ("\n--- innermost frames at the crash (faulthandler, most recent call first) ---\n"
+                    + "\n".join(frames))
         causes = [ln for ln in self.key_lines() if ln not in tail]
         if causes:
             msg += "\n--- cause lines from the worker's stderr ---\n" + "\n".join(causes)
         if tail.strip():
             msg += f"\n--- last lines of the worker's stderr ---\n{tail.rstrip()}"
-        return WorkerCrashed(msg, proc_exitcode, tail)
+        return WorkerCrashed(msg, code, tail)
+
+    def _timeout_report(self, proc, during: str) -> WorkerTimeout:
+        try:
+            os.kill(proc.pid, signal.SIGUSR1)  # dump the hung worker's stacks before the kill
+            time.sleep(0.5)
+        except ProcessLookupError:
+            pass
+        tail = self.stderr_tail(60)
+        return WorkerTimeout(
+            f"worker {self.name} (pid {proc.pid}) ran past the timeout of {self.timeout:g}s in {during}; "
+            "the worker and everything it started were killed (its session)"
+            + (f"\n--- last lines of the worker's stderr ---\n{tail.rstrip()}" if tail.strip() else "")
+        )
+
+    def _exchange(self, payload: bytes, during: str) -> bytes:
+        """Sends one call and returns the child's reply; raises the crash or timeout report."""
+        proc, conn = self._proc, self._conn
+        try:
+            conn.send_bytes(payload)
+        except (BrokenPipeError, OSError):
+            raise self._crash_report(proc, during) from None
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        while True:
+            wait = 0.5 if deadline is None else max(0.0, min(0.5, deadline - time.monotonic()))
+            if conn.poll(wait):
+                try:
+                    return conn.recv_bytes()
+                except (EOFError, OSError):
+                    pass
+            if not proc.is_alive():
+                raise self._crash_report(proc, during)
+            if deadline is not None and time.monotonic() >= deadline:
+                raise self._timeout_report(proc, during)
 
     def call(self, fn, *args: Any, **kwargs: Any) -> Any:
+        payload = dumps_call(fn, args, kwargs)
         with self._lock:
             if self._needs_restart:
-                self._kill()
-                self.restarts += 1
-            try:
-                payload = cloudpickle.dumps((fn, args, kwargs))
-            except Exception as e:
-                name = getattr(fn, "__qualname__", repr(fn))
-                raise UnpicklableCallableError(
-                    f"cannot send {name} to the worker: {type(e).__name__}: {e}. It is probably a closure over "
-                    "an object that cannot be pickled (a lock, a CUDA tensor, an open file, a generator). "
-                    "Make it a module-level function and pass plain values as arguments, or build the "
-                    "object inside the worker"
-                ) from None
+                self._replace()
             self.start()
             self.calls += 1
             during = f"call {self.calls} ({getattr(fn, '__qualname__', type(fn).__name__)})"
             try:
-                self._conn.send_bytes(payload)
-            except (BrokenPipeError, OSError):
-                self._proc.join(5)
-                report = self._crash_report(self._proc.exitcode, during)
-                self._needs_restart = True
-                raise report from None
-            deadline = None if self.timeout is None else time.monotonic() + self.timeout
-            while True:
-                wait = 0.5 if deadline is None else max(0.0, min(0.5, deadline - time.monotonic()))
-                if self._conn.poll(wait):
-                    try:
-                        reply = self._conn.recv_bytes()
-                        break
-                    except (EOFError, OSError):
-                        pass
-                if not self._proc.is_alive() or (self._conn.closed if self._conn else True):
-                    self._proc.join(5)
-                    report = self._crash_report(self._proc.exitcode, during)
-                    self._needs_restart = True
-                    raise report
-                if deadline is not None and time.monotonic() >= deadline:
-                    pid = self.pid
-                    try:
-                        os.kill(pid, signal.SIGUSR1)  # dump the hung worker's stacks before the kill
-                        time.sleep(0.5)
-                    except ProcessLookupError:
-                        pass
-                    tail = self.stderr_tail(60)
-                    self._kill()
-                    self._needs_restart = False
-                    self.restarts += 1
-                    raise WorkerTimeout(
-                        f"worker {self.name} (pid {pid}) ran past the timeout of {self.timeout:g}s in {during}; "
-                        f"its process group was killed"
-                        + (f"\n--- last lines of the worker's stderr ---\n{tail.rstrip()}" if tail.strip() else "")
-                    )
+                reply = self._exchange(payload, during)
+            except BaseException:
+                # A crash, a timeout, or Ctrl-C / an error here while the child is mid-call: its reply would
+                # answer the next call. End it now (promptly: no waiting for the call) and replace it.
+                self._replace()
+                raise
             status, *rest = cloudpickle.loads(reply)
             if status == "ok":
                 return rest[0]
@@ -339,17 +474,26 @@ class ReusedWorker:
         self._needs_restart = True
 
     def close(self) -> None:
-        with self._lock:
-            if self._conn is not None and self.alive:
-                try:
+        """Ends the child and everything it started, whatever its state, in bounded time; the worker
+        starts a new child if called again."""
+        if not self._lock.acquire(timeout=_CLOSE_LOCK_WAIT_S):
+            # A call in another thread holds the worker: end its child; that call reports the crash and
+            # cleans up.
+            proc = self._proc
+            if proc is not None:
+                _kill_session(proc.pid)
+            _live.discard(self)
+            return
+        try:
+            if not self._needs_restart and self.alive:
+                try:  # an idle, healthy child leaves on its own (its atexit handlers run)
                     self._conn.send_bytes(b"")
-                    self._proc.join(2)
-                except (BrokenPipeError, OSError):
+                    self._proc.join(_CLOSE_EXIT_WAIT_S)
+                except OSError:
                     pass
             self._kill()
-            if self._stderr_path and os.path.exists(self._stderr_path):
-                os.unlink(self._stderr_path)
-                self._stderr_path = None
+        finally:
+            self._lock.release()
         _live.discard(self)
 
     def __enter__(self) -> ReusedWorker:

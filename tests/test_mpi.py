@@ -1,12 +1,16 @@
-"""MPI ranks (mpi4py.futures) through pytester: sequences per rank, a crash and a hang on a rank, skips."""
+"""MPI ranks (mpi4py.futures) through pytester: sequences per rank, a crash and a hang on a rank, skips; how
+a dead rank is recognized. One row per fault on a rank is in tests/test_faults_mpi.py."""
 
 import json
 import os
+import socket
+import subprocess
 import sys
+import time
 
 import pytest
 
-from pytest_cudagraph.mpi import mpi_unavailable_reason
+from pytest_cudagraph.mpi import mpi_unavailable_reason, rank_dead
 
 needs_mpi = pytest.mark.skipif(mpi_unavailable_reason() is not None, reason=str(mpi_unavailable_reason()))
 
@@ -132,3 +136,27 @@ def test_without_mpi_tests_skip_or_the_session_stops(pytester, monkeypatch):
     res = run(pytester, "--cudagraph-require-mpi")
     assert res.ret == pytest.ExitCode.USAGE_ERROR
     res.stderr.fnmatch_lines(["*--cudagraph-require-mpi:*"])
+
+
+def test_a_rank_is_judged_dead_only_on_its_own_host():
+    here = socket.gethostname()
+    ended = subprocess.Popen(["true"])
+    ended.wait()  # reaped: its pid is free
+    assert rank_dead(here, ended.pid)
+    assert not rank_dead("node-7.cluster.example", ended.pid)  # a pid from there means nothing here
+    assert not rank_dead("node-7.cluster.example", os.getpid())
+    assert not rank_dead(here, os.getpid())
+
+
+def test_a_zombie_rank_on_this_host_is_dead():
+    child = subprocess.Popen(["true"])
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # not reaped yet: a zombie, which still answers os.kill(pid, 0)
+            with open(f"/proc/{child.pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    break
+            time.sleep(0.01)
+        assert rank_dead(socket.gethostname(), child.pid)
+    finally:
+        child.wait()

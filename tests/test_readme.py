@@ -105,9 +105,14 @@ def test_the_suite_counts_in_the_readme_are_the_tables():
     try:
         import test_bad_input_plugin as plugin_table
         import test_bad_input_runner as runner_table
+        import test_faults_mpi as mpi_table
+        import test_faults_worker as worker_table
     finally:
         sys.path.pop(0)
+    text = " ".join(README.split())  # the README wraps its lines anywhere
+    assert f"worker faults survived: {len(worker_table.ROWS)} rows" in text
+    assert f"MPI rank faults: {len(mpi_table.ROWS)} rows" in text
     runner_rows = len(runner_table.BUILD) + len(runner_table.RUN) + len(runner_table.OTHER)
     plugin_rows = len(plugin_table.OPTIONS) + len(plugin_table.FIXTURE_ARGS) + 2
-    assert f"library arguments: {runner_rows} rows" in README
-    assert f"engine shapes: {plugin_rows} rows" in README
+    assert f"library arguments: {runner_rows} rows" in text
+    assert f"engine shapes: {plugin_rows} rows" in text

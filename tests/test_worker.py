@@ -1,15 +1,22 @@
+"""The reused worker: state, start methods, closing, Ctrl-C. One row per fault (crashes, hangs, bad
+values) is in tests/test_faults_worker.py."""
+
 import os
 import signal
+import subprocess
+import sys
 import threading
+import time
 
 import pytest
+from test_faults_worker import gone, nap
 
+import pytest_cudagraph.worker as worker_module
 from pytest_cudagraph.worker import (
     RemoteError,
     ReusedWorker,
-    UnpicklableCallableError,
     WorkerCrashed,
-    WorkerTimeout,
+    crash_frames,
     resolve_start_method,
 )
 
@@ -23,23 +30,6 @@ def bump():
 
 def boom():
     raise KeyError("missing thing")
-
-
-def die_by_signal():
-    os.kill(os.getpid(), signal.SIGSEGV)
-
-
-def exit_hard():
-    import sys
-
-    print("about to exit", file=sys.stderr, flush=True)
-    os._exit(7)
-
-
-def sleep(s):
-    import time
-
-    time.sleep(s)
 
 
 def fake_allocator_assert():
@@ -67,36 +57,6 @@ def test_remote_exception_carries_the_child_traceback(worker):
     assert worker.call(bump)[0] == 1  # the same worker goes on
 
 
-def test_signal_crash_is_reported_and_worker_replaced(worker):
-    worker.call(bump)
-    with pytest.raises(WorkerCrashed, match="killed by signal SIGSEGV"):
-        worker.call(die_by_signal)
-    n, _ = worker.call(bump)
-    assert n == 1 and worker.restarts == 1  # a new process, fresh state
-
-
-def test_exit_code_and_stderr_tail(worker):
-    with pytest.raises(WorkerCrashed, match="exited with code 7") as e:
-        worker.call(exit_hard)
-    assert "about to exit" in str(e.value)
-
-
-def test_abort(worker):
-    with pytest.raises(WorkerCrashed, match="SIGABRT"):
-        worker.call(os.abort)
-
-
-def test_timeout_kills_the_process_group(worker):
-    worker.timeout = 1
-    pid = worker.start().pid
-    with pytest.raises(WorkerTimeout, match="past the timeout of 1s"):
-        worker.call(sleep, 30)
-    with pytest.raises(ProcessLookupError):
-        os.kill(pid, 0)
-    worker.timeout = 30
-    assert worker.call(bump)[0] == 1
-
-
 def test_allocator_assert_marks_the_worker_for_replacement(worker):
     pid = worker.start().pid
     with pytest.raises(RemoteError) as e:
@@ -110,17 +70,6 @@ def test_closures_and_lambdas_travel_with_spawn():
     with ReusedWorker(start_method="spawn", timeout=60) as w:
         assert w.call(lambda x: x * factor, 5) == 15
         assert w.start_method == "spawn"
-
-
-def test_unpicklable_callable_is_a_clear_error(worker):
-    lock = threading.Lock()
-    with pytest.raises(UnpicklableCallableError, match="closure over an object that cannot be pickled"):
-        worker.call(lambda: lock)
-
-
-def test_unpicklable_result(worker):
-    with pytest.raises(RemoteError, match="cannot be pickled"):
-        worker.call(threading.Lock)
 
 
 def test_close_leaves_no_process():
@@ -144,6 +93,179 @@ def test_start_method_rules(monkeypatch):
         resolve_start_method("thread")
 
 
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_every_start_method_serves_calls(method):
+    with ReusedWorker(start_method=method, timeout=60) as w:
+        assert w.call(bump) == (1, w.pid) and w.call(bump)[0] == 2 and w.start_method == method
+
+
+def test_a_restart_after_the_parent_initialized_cuda_spawns(monkeypatch):
+    with ReusedWorker(timeout=60) as w:
+        assert w.start_method == "fork"
+        w.call(bump)
+        monkeypatch.setattr(worker_module, "cuda_initialized", lambda: True)  # as if a test used the GPU here
+        w.restart_before_next_call()
+        assert w.call(bump)[0] == 1  # a new child
+        assert w.start_method == "spawn" and "initialized CUDA" in w.reason
+
+
+def test_fork_asked_for_is_refused_at_a_restart_after_cuda_init(monkeypatch):
+    with ReusedWorker(start_method="fork", timeout=60, name="engines") as w:
+        w.call(bump)
+        monkeypatch.setattr(worker_module, "cuda_initialized", lambda: True)
+        w.restart_before_next_call()
+        refused = ("worker engines cannot start: start method 'fork' was asked for, but this process already "
+                   "initialized CUDA.*Use 'spawn' or 'auto'")
+        with pytest.raises(ValueError, match=refused):
+            w.call(bump)
+        assert w.pid is None  # nothing was forked
+
+
+def test_a_failed_start_leaves_a_worker_that_closes_and_starts_again(monkeypatch):
+    def no_fork():
+        raise BlockingIOError(11, "Resource temporarily unavailable")
+
+    w = ReusedWorker(start_method="fork", timeout=60)
+    with monkeypatch.context() as m:
+        m.setattr(os, "fork", no_fork)
+        with pytest.raises(BlockingIOError):
+            w.call(bump)
+    w.close()
+    assert w.call(bump)[0] == 1
+    w.close()
+
+
+def test_close_does_not_wait_for_a_call_in_another_thread():
+    w = ReusedWorker(start_method="fork", timeout=60)
+    pid = w.start().pid
+    errors = []
+
+    def call():
+        try:
+            w.call(nap, 30)
+        except Exception as e:
+            errors.append(e)
+
+    t = threading.Thread(target=call)
+    t.start()
+    time.sleep(0.3)  # the call is running
+    t0 = time.monotonic()
+    w.close()
+    took = time.monotonic() - t0
+    t.join(10)
+    assert took < 5 and not t.is_alive(), f"close() waited {took:.1f}s for the call"
+    assert isinstance(errors[0], WorkerCrashed) and gone(pid)
+
+
+def test_crash_frames_are_the_crashing_threads_innermost():
+    frames = "".join(f'  File "/w/engine.py", line {i} in f{i}\n' for i in range(12))
+    stderr = (
+        "Current thread 0x01 (most recent call first):\n"  # an earlier dump (a timeout's SIGUSR1)
+        '  File "/w/old.py", line 1 in earlier\n'
+        "Fatal Python error: Segmentation fault\n\n"
+        "Thread 0x02 (most recent call first):\n"  # another thread prints first
+        '  File "/w/loader.py", line 5 in other_thread\n\n'
+        f"Current thread 0x01 (most recent call first):\n{frames}\n"
+        "Extension modules: torch (total: 1)\n"
+    )
+    assert crash_frames(stderr) == [f"  /w/engine.py:{i} in f{i}" for i in range(10)]
+    assert crash_frames(stderr.replace("Fatal Python error", "Python error")) == []  # no crash, no frames
+
+
+def _survivors(marker: str) -> list[int]:
+    """Running processes whose command line holds ``marker`` (a forked worker keeps pytest's command line)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if marker.encode() in f.read() and not gone(int(entry), within=0):
+                    found.append(int(entry))
+        except (OSError, ValueError):
+            pass
+    return found
+
+
+def test_no_grandchild_outlives_the_session(pytester):
+    pytester.makepyfile(test_a='''
+        import subprocess
+        def start_sleeper():
+            return subprocess.Popen(["sleep", "60"]).pid
+        def test_sleeper(cudagraph_worker):
+            open("sleeper.pid", "w").write(str(cudagraph_worker.call(start_sleeper)))
+    ''')
+    pytester.runpytest_subprocess("-p", "cudagraph", "-p", "no:cacheprovider").assert_outcomes(passed=1)
+    pid = int((pytester.path / "sleeper.pid").read_text())
+    assert gone(pid), f"`sleep 60` (pid {pid}), started in the test's worker, outlived the session"
+
+
+CTRL_C_SESSION = '''
+import os, time, pytest
+
+@pytest.fixture
+def engine(cudagraph_worker):
+    yield cudagraph_worker
+    cudagraph_worker.call(os.getpid)  # teardown talks to the worker, as an engine fixture's release does
+
+def test_interrupted(engine):
+    open("worker.pid", "w").write(str(engine.call(os.getpid)))
+    engine.call(time.sleep, 60)
+'''
+
+
+def test_ctrl_c_during_a_worker_call_ends_the_session(pytester):
+    test_file = pytester.makepyfile(test_a=CTRL_C_SESSION)
+    pidfile = pytester.path / "worker.pid"
+    session = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "cudagraph", "-p", "no:cacheprovider",
+                                str(test_file)], cwd=pytester.path, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (pidfile.exists() and pidfile.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # the worker is in time.sleep(60)
+        os.killpg(session.pid, signal.SIGINT)  # a terminal's Ctrl-C: the whole foreground process group
+        out, _ = session.communicate(timeout=15)  # also waits for every holder of its output to close it
+    except subprocess.TimeoutExpired:
+        os.killpg(session.pid, signal.SIGKILL)
+        out, _ = session.communicate()
+        pytest.fail(f"the session did not end within 15 s of Ctrl-C:\n{out}")
+    finally:
+        if session.poll() is None:
+            os.killpg(session.pid, signal.SIGKILL)
+    assert "KeyboardInterrupt" in out, out
+    assert gone(int(pidfile.read_text())), "the worker outlived the session"
+    assert not _survivors(str(test_file)), "a worker started by the session outlived it"
+
+
+SLOW_START = '''
+import os, signal, sys, time
+time.sleep(float(os.environ.get("SLOW_START", "0")))  # the spawned child runs this too: a slow start
+if __name__ == "__main__":
+    from pytest_cudagraph.worker import ReusedWorker
+    signal.signal(signal.SIGINT, lambda *_: print("pytest got SIGINT", flush=True))
+    os.environ["SLOW_START"] = "2"
+    with ReusedWorker(start_method="spawn", timeout=60) as w:
+        print("started", flush=True)
+        print("served", w.call(os.getpid) == w.pid, flush=True)
+'''
+
+
+def test_ctrl_c_while_a_worker_starts_is_not_the_workers(tmp_path):
+    script = tmp_path / "slow_start.py"
+    script.write_text(SLOW_START)
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        assert proc.stdout.readline() == "started\n"
+        time.sleep(0.5)  # the child is still starting, in the parent's process group
+        os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert "pytest got SIGINT" in out and "served True" in out, out
+
+
 def test_bad_timeout():
     with pytest.raises(ValueError, match="timeout"):
         ReusedWorker(timeout=0)
@@ -162,12 +284,6 @@ def test_fork_after_parallel_cpu_ops_does_not_hang():
     (torch.ones(1024, 1024) * 3).sum()  # the parent's OpenMP pool is now up
     with ReusedWorker(start_method="fork", timeout=30) as w:
         assert w.call(big_cpu_op) == 512 * 512 * 2
-
-
-def test_timeout_report_has_the_hung_stack():
-    with ReusedWorker(start_method="fork", timeout=1) as w:
-        with pytest.raises(WorkerTimeout, match="in sleep"):
-            w.call(sleep, 30)
 
 
 def abort_after_long_stack():
