@@ -115,6 +115,8 @@ def timeline_png(cycles: list[tuple[str, dict]], report_path: str) -> str | None
     ax.plot(xs, [c.get("held_bytes", 0) / mib for _, c in cycles], "s--", label="held by the caller's output")
     ax.plot(xs, [c.get("leaked_bytes", 0) / mib for _, c in cycles], "x-", color="red", label="leaked")
     ax.plot(xs, [c.get("growth_bytes", 0) / mib for _, c in cycles], "^:", label="default-pool growth")
+    ax.plot(xs, [max((c.get("graph_bytes") or {0: 0}).values()) / mib for _, c in cycles], "d:",
+            label="largest graph's bytes (runners)")
     for x, (_, c) in zip(xs, cycles):
         if c.get("failed"):
             ax.axvline(x, color="red", alpha=0.2)

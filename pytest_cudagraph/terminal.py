@@ -32,6 +32,9 @@ def lifecycle_section(tr: Any, state: dict, backend: str | None) -> None:
             f"{c.get('capture_ms', 0.0):>10.1f} {_mib(c.get('pool_bytes', 0)):>7} {_mib(c.get('held_bytes', 0)):>7} "
             f"{_mib(c.get('leaked_bytes', 0)):>7} {_mib(c.get('growth_bytes', 0)):>7} {verdict}"
         )
+        if c.get("graph_bytes"):
+            per = ", ".join(f"{k}: {_mib(v)}" for k, v in c["graph_bytes"].items())
+            tr.write_line(f"{'':<48}  pool bytes per graph (batch: bytes its capture added): {per}")
         for p in c.get("problems") or []:
             first = p["message"].strip().splitlines()[0] if p["message"].strip() else p["kind"]
             tr.write_line(f"{'':<48}! {p['kind']}: {first}")

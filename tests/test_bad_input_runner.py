@@ -18,6 +18,7 @@ from cudagraph_lifecycle import (
     RunnerReleasedError,
     get_backend,
 )
+from cudagraph_lifecycle.backends.cuda import CudaBackend, _segment_pool, missing_features
 from cudagraph_lifecycle.backends.sim import SimBackend
 from cudagraph_lifecycle.cycle.engine import Engine, check_pool_ids
 from cudagraph_lifecycle.sanitizer import install_from_env
@@ -112,7 +113,23 @@ OTHER = [
     ("pool_ids() of plain ids", lambda: check_pool_ids([(0, 1)], "Engine.pool_ids()"), ConfigError,
      ["Engine.pool_ids() returned [(0, 1)]", "(device, pool_id) pairs", "[(0, (0, 1))]"]),
     ("pool_ids() not a list", lambda: check_pool_ids(5, "Engine.pool_ids()"), ConfigError, ["returned 5"]),
+    ("snapshot without pool ids", lambda: _segment_pool({"device": 0, "total_size": 2 << 20}),
+     BackendUnavailableError, ["no 'segment_pool_id'", "cannot be read", "torch >= 2.11"]),
 ]
+
+
+def test_private_torch_apis_are_feature_detected(monkeypatch):
+    """A build without the private allocator functions: each names what is off, and the calls do nothing."""
+    names = ("_cuda_getPoolUseCount", "_host_emptyCache", "_cuda_endAllocateToPool", "_cuda_releasePool")
+    for name in names:
+        monkeypatch.delattr(torch._C, name, raising=False)
+    missing = missing_features()
+    assert set(missing) == set(names)
+    assert "the host allocator's flush" in missing["_host_emptyCache"]
+    be = CudaBackend()
+    be.host_empty_cache()
+    be.release_pool_reference((0, 1))
+    assert be.end_capture_routing((0, 1)) is False
 
 
 @pytest.mark.parametrize("what, call, error, words", OTHER, ids=[r[0] for r in OTHER])
