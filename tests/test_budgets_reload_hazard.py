@@ -129,37 +129,45 @@ def test_within(engine_sequence):
     res.assert_outcomes(passed=3)
 
 
-def _expandable(sanitize: bool):
+def _expandable(mode: str | None):
     be = SimBackend(expandable_segments=True)
     c = Ctx(be)
-    san = PoolSanitizer(be).start() if sanitize else None
+    san = PoolSanitizer(be, mode=mode).start() if mode else None
     g = be.new_graph()
     y = c.step(g, be.graph_pool_handle())
     return be, g, y, san
 
 
-def test_expandable_segments_teardown_crashes_plain_and_is_refused_by_the_sanitizer():
-    be, g, y, _ = _expandable(sanitize=False)
-    g.reset()  # the last graph goes while `y` lives
-    del y  # freeing it touches the torn-down pool
-    with pytest.raises(RuntimeError, match="Segmentation fault \\(simulated\\)"):
-        be.randn(4)
+def test_expandable_teardown_runs_on_as_measured_and_is_reported_by_on_refused_by_strict():
+    be, g, y, _ = _expandable(None)
+    g.reset()  # the last graph goes while `y` lives: on the H200 with torch 2.11 plain PyTorch carries on
+    del y
+    be.empty_cache()
+    assert torch.isfinite(be.randn(4)).all() and be.pool_state(g.pool(), 0).reserved_bytes == 0
 
-    be, g, y, san = _expandable(sanitize=True)
+    be, g, y, san = _expandable("on")
+    g.reset()  # on: reported, not refused
+    del y
+    finding = san.findings()
+    assert [f.kind for f in finding] == ["expandable_teardown"] and finding[0].bytes == 16384
+    assert "peers report" in finding[0].message
+    san.stop()
+
+    be, g, y, san = _expandable("strict")
     with pytest.raises(ExpandableSegmentsHazardError, match="while 16384 bytes allocated in its captures are alive"):
         g.reset()
     del y  # the right order: blocks first, then the graph
     g.reset()
     be.randn(4)
-    assert be.crashed is None and [f.kind for f in san.findings()] == ["expandable_teardown"]
+    assert [f.kind for f in san.findings()] == ["expandable_teardown"]
     san.stop()
 
 
 def test_without_expandable_segments_the_same_order_is_fine():
     be = SimBackend()
-    with PoolSanitizer(be):
+    with PoolSanitizer(be, mode="strict") as san:
         g = be.new_graph()
         y = Ctx(be).step(g, be.graph_pool_handle())
         g.reset()
         del y
-        assert torch.isfinite(be.randn(4)).all() and be.crashed is None
+        assert torch.isfinite(be.randn(4)).all() and "expandable_teardown" not in [f.kind for f in san.findings()]

@@ -123,8 +123,12 @@ def test_checked_runner_catches_overwritten_outputs_padding_addresses_and_the_br
     assert "the op that broke the capture: aten._local_scalar_dense" in r["broken"] and "in syncs" in r["broken"], r
 
 
-def test_expandable_segments_teardown_crashes_plain_pytorch_and_the_sanitizer_refuses_it(cudagraph_worker):
+def test_expandable_segments_teardown_is_reported_by_on_and_refused_by_strict(cudagraph_worker):
     r = cudagraph_worker.call(gpu_cases.expandable_segments_teardown_in_fresh_processes)
     print("expandable segments:", r)
-    assert r["sanitized"]["rc"] == 0 and r["sanitized"]["stdout"][0].startswith("refused: reset of the last graph")
-    assert r["sanitized"]["stdout"][-1] == "survived", r
+    # plain PyTorch survives this order on torch 2.11 (the simulated allocator models it so): if a torch
+    # release starts crashing here, the simulated allocator must learn it
+    assert r["plain"]["rc"] == 0 and r["plain"]["stdout"] == ["reset", "survived"], r
+    assert r["on"]["rc"] == 0 and r["on"]["stdout"] == ["reset", "findings: ['expandable_teardown']", "survived"], r
+    assert r["strict"]["rc"] == 0 and r["strict"]["stdout"][0].startswith("refused: reset of the last graph"), r
+    assert r["strict"]["stdout"][-1] == "survived", r

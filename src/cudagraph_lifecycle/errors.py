@@ -54,4 +54,5 @@ class CapturedAddressError(CudaGraphLifecycleError):
 
 class ExpandableSegmentsHazardError(CudaGraphLifecycleError):
     """With ``expandable_segments:True``, the last graph of a pool would be reset while blocks allocated in its
-    captures are alive: freeing them afterwards crashes the process (SIGSEGV, measured on the H200)."""
+    captures are alive (raised by the strict sanitizer). TensorRT-LLM reports that freeing such blocks after the
+    teardown crashes the process; with torch 2.11 on the H200 no such sequence crashed (docs/gpu-results)."""

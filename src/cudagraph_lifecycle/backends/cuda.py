@@ -176,11 +176,13 @@ class CudaBackend(Backend):
         ids.discard((0, 0))
         return sorted(ids)
 
+    # The nested stats, not torch.cuda.memory_reserved(): that flattens every counter first (measured on
+    # the H200: 124 us a call vs 16 us), and the runner reads this twice per captured graph.
     def memory_reserved(self, device: int = 0) -> int:
-        return torch.cuda.memory_reserved(device)
+        return _current(device, "reserved_bytes")
 
     def memory_allocated(self, device: int = 0) -> int:
-        return torch.cuda.memory_allocated(device)
+        return _current(device, "allocated_bytes")
 
     def live_blocks(self, pool_id: PoolId, device: int = 0) -> list[Block]:
         out = []
@@ -290,3 +292,8 @@ def _forget_process_backend() -> None:
 
 
 os.register_at_fork(after_in_child=_forget_process_backend)
+
+
+def _current(device: int, stat: str) -> int:
+    """One allocator counter now; 0 before CUDA is initialized (the nested stats are empty then)."""
+    return torch.cuda.memory_stats_as_nested_dict(device).get(stat, {}).get("all", {}).get("current", 0)

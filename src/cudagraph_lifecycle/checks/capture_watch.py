@@ -61,7 +61,9 @@ class CaptureWatch(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        name = str(getattr(func, "__name__", func))
+        name = str(func)  # "aten.mm.default": the readable form is the op without its default overload
+        if name.endswith(".default"):
+            name = name[: -len(".default")]
         for t in leaves((args, kwargs)):
             if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes():
                 st = t.untyped_storage()

@@ -62,8 +62,8 @@ class Hooks:
             rules[-1](attempt)
 
     def before_last_reset(self, be: Backend | None, g: GraphEntry) -> None:
-        """With expandable segments, resetting a pool's last graph while blocks of it are alive crashes the
-        process when those blocks are freed later (measured: SIGSEGV): record it, and let the judge refuse."""
+        """With expandable segments, resetting a pool's last graph while blocks of it are alive is reported to
+        crash the process when those blocks are freed later: record it, and let the judge decide."""
         if be is None or not be.expandable_segments():
             return
         led = self.ledger

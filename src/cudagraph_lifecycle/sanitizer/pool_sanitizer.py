@@ -34,7 +34,8 @@ class PoolSanitizer:
     """See the module docstring.
 
     ``mode``: ``on`` raises :class:`StalePoolError` on a stale capture; ``strict`` also makes :meth:`check`
-    raise on findings. ``record_history`` records an allocation stack for every block, so pinned pools are
+    raise on findings and refuses a reset that would tear down a pool with live blocks under expandable
+    segments (:class:`ExpandableSegmentsHazardError`; ``on`` reports it as a finding). ``record_history`` records an allocation stack for every block, so pinned pools are
     reported with the lines that allocated what pins them. ``scope`` limits findings to one engine scope.
     """
 
@@ -53,7 +54,10 @@ class PoolSanitizer:
 
     def _judge(self, event: StaleAttempt | TeardownHazard) -> None:
         if isinstance(event, TeardownHazard):
-            raise hazard_error(event)
+            # reported by peers as a crash, not reproduced on the H200 with torch 2.11: refused only in strict
+            if self.mode == "strict":
+                raise hazard_error(event)
+            return
         raise stale_error(self.backend, event)
 
     def start(self) -> PoolSanitizer:

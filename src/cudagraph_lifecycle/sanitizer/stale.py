@@ -42,7 +42,8 @@ def hazard_error(hazard: TeardownHazard) -> ExpandableSegmentsHazardError:
         "(allocation stacks: record history, e.g. PoolSanitizer(record_history=True))\n")
     return ExpandableSegmentsHazardError(
         f"reset of the last graph of pool {tuple(pool_id)} on device {device} while {hazard.live_bytes} bytes "
-        "allocated in its captures are alive, under expandable_segments:True: freeing them afterwards crashes the "
-        "process (SIGSEGV). Drop (or copy out and drop) every output and tensor of the pool's captures before the "
-        f"reset, so the graph goes last. The graph was NOT reset.{f' The pool was made by {hazard.owner}.' if hazard.owner else ''}\n"
+        "allocated in its captures are alive, under expandable_segments:True: TensorRT-LLM reports that freeing "
+        "such blocks after the teardown crashes the process (SIGSEGV or a cudaMalloc_count assert). Drop (or copy "
+        "out and drop) every output and tensor of the pool's captures before the reset, so the graph goes last. "
+        f"The graph was NOT reset (strict sanitizer).{f' The pool was made by {hazard.owner}.' if hazard.owner else ''}\n"
         f"--- the reset at ---\n{hazard.reset_at}{stacks}")
