@@ -19,7 +19,11 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from bench.common import emit  # noqa: E402
-from cudagraph_lifecycle import CUDAGraphRunner, get_backend  # noqa: E402
+from cudagraph_lifecycle import (  # noqa: E402
+    CUDAGraphRunner,
+    checks,  # noqa: E402
+    get_backend,
+)
 
 MiB = 1 << 20
 
@@ -175,23 +179,33 @@ def memory_case(be, sizes, **model):
 
 
 def bench_checks(be, iters):
-    """What checked mode costs, side by side with the default runner: one step (batch 3 on the batch-4
-    graph: two replays with poisoned padding, the output guard) and one capture set (ops watched)."""
+    """What checked mode costs, side by side with the default runner, for all checks at once and for each
+    alone: one step (batch 3 on the batch-4 graph), one capture set of 4 graphs, and one check_addresses()."""
     dev = be.torch_device(0)
     dtype = torch.float16 if be.name == "cuda" else torch.float32
     fwd = launch_bound_model(dev, dtype)
     x = torch.randn(3, 256, device=dev, dtype=dtype)
-    out = {}
-    for checked in (False, True, False, True):  # twice each, interleaved: drift hits both alike
-        r = CUDAGraphRunner(fwd, [1, 2, 4, 8], (256,), dtype=dtype, backend=be, checked=checked)
-        r.capture()
-        us = timeit(be, lambda r=r: r.run(x), iters)[0]
-        name = "checked" if checked else "default"
-        out[f"step_us_{name}"] = min(out.get(f"step_us_{name}", us), us)
-        out[f"capture_ms_{name}"] = min(out.get(f"capture_ms_{name}", r.stats.capture_ms), r.stats.capture_ms)
-        r.release()
-    out["step_ratio"] = out["step_us_checked"] / out["step_us_default"]
-    out["capture_ratio"] = out["capture_ms_checked"] / out["capture_ms_default"]
+    configs = {"default": False, "checked": True, **{c: [c] for c in checks.CHECKS}}
+    out: dict = {}
+    for _ in range(2):  # twice each, interleaved: drift hits every configuration alike
+        for name, checked in configs.items():
+            r = CUDAGraphRunner(fwd, [1, 2, 4, 8], (256,), dtype=dtype, backend=be, checked=checked)
+            r.capture()
+            us = timeit(be, lambda r=r: r.run(x), iters)[0]
+            out[f"step_us_{name}"] = min(out.get(f"step_us_{name}", us), us)
+            out[f"capture_ms_{name}"] = min(out.get(f"capture_ms_{name}", r.stats.capture_ms), r.stats.capture_ms)
+            if name == "capture":
+                t0 = time.perf_counter()
+                for _ in range(20):
+                    r.check_addresses()
+                us = (time.perf_counter() - t0) / 20 * 1e6
+                out["check_addresses_us"] = min(out.get("check_addresses_us", us), us)
+            r.release()
+    for name in configs:
+        if name != "default":
+            out[f"step_ratio_{name}"] = out[f"step_us_{name}"] / out["step_us_default"]
+            out[f"capture_ratio_{name}"] = out[f"capture_ms_{name}"] / out["capture_ms_default"]
+    out["step_ratio"], out["capture_ratio"] = out["step_ratio_checked"], out["capture_ratio_checked"]
     return out
 
 
@@ -348,15 +362,21 @@ def main():
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--iters", type=int, default=2000)
     ap.add_argument("--json")
+    parts = ("step", "memory", "release", "checks", "sanitizer")
+    ap.add_argument("--only", choices=parts, action="append", help="run only these parts (repeatable)")
     a = ap.parse_args()
     be = get_backend(a.backend)
     iters = a.iters if be.name == "cuda" else 50
+    run = {
+        "step": lambda: bench_step(be, iters),
+        "memory": lambda: bench_memory(be),
+        "release": lambda: bench_release(be),
+        "checks": lambda: bench_checks(be, iters // 4),
+        "sanitizer": lambda: bench_sanitizer(be) if be.name == "cuda" else bench_sanitizer(be, 20, step_rounds=2),
+    }
     out = {"meta": be.describe() | {"date": time.strftime("%Y-%m-%d %H:%M:%S")}}
-    out["step"] = bench_step(be, iters)
-    out["memory"] = bench_memory(be)
-    out["release"] = bench_release(be)
-    out["checks"] = bench_checks(be, iters // 4)
-    out["sanitizer"] = bench_sanitizer(be) if be.name == "cuda" else bench_sanitizer(be, rounds=20, step_rounds=2)
+    for part in a.only or parts:
+        out[part] = run[part]()
     emit(out, a.json)
 
 

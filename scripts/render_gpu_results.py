@@ -71,6 +71,13 @@ def main(folder: str) -> None:
                   f"({chk['step_us_checked']:.1f} vs {chk['step_us_default']:.1f} µs) | may cost more |")
             print(f"| checked mode: capture / default capture (4 graphs) | {chk['capture_ratio']:.2f} "
                   f"({chk['capture_ms_checked']:.1f} vs {chk['capture_ms_default']:.1f} ms) | may cost more |")
+            for name in ("capture", "padding", "outputs"):
+                if f"step_ratio_{name}" in chk:
+                    print(f"| check `{name}` alone: step; capture (/ default) | {chk[f'step_ratio_{name}']:.2f} "
+                          f"({chk[f'step_us_{name}']:.1f} µs); {chk[f'capture_ratio_{name}']:.2f} "
+                          f"({chk[f'capture_ms_{name}']:.1f} ms) | |")
+            if "check_addresses_us" in chk:
+                print(f"| `check_addresses()` (4 graphs of 16 layers) | {chk['check_addresses_us']:.0f} µs a call | |")
     bw = load(folder, "bench-worker.json")
     if bw:
         print(f"| worker call / bare Pipe round trip | {bw['call']['ratio']:.2f} ({bw['call']['worker_call_us']:.0f} "

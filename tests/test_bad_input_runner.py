@@ -62,6 +62,11 @@ BUILD = [
     ("device out of range", dict(device=5), ConfigError, ["device index 5", "0..1"]),
     ("unknown backend name", dict(backend="tpu"), ConfigError, ["unknown backend 'tpu'", "auto, cuda, sim"]),
     ("cuda without a GPU", dict(backend="cuda"), BackendUnavailableError, ["backend 'cuda'", "choose backend 'sim'"]),
+    ("one check as a string", dict(checked="padding"), ConfigError,
+     ["checked='padding'", "a list of checks from ['capture', 'padding', 'outputs']"]),
+    ("unknown check", dict(checked=["padding", "nans"]), ConfigError,
+     ["checked=['padding', 'nans']", "unknown check(s) ['nans']", "choose from"]),
+    ("checked as a number", dict(checked=2), ConfigError, ["checked=2", "give True, False, None or a list"]),
 ]
 
 

@@ -6,7 +6,12 @@ import torch
 from cudagraph_lifecycle import CUDAGraphRunner, PoolSanitizer
 from cudagraph_lifecycle.backends.sim import SimBackend
 from cudagraph_lifecycle.checks import enabled
-from cudagraph_lifecycle.errors import CapturedAddressError, OverwrittenOutputError, ReplayCheckError
+from cudagraph_lifecycle.errors import (
+    CapturedAddressError,
+    ConfigError,
+    OverwrittenOutputError,
+    ReplayCheckError,
+)
 
 
 def runner(fwd, **kw):
@@ -98,3 +103,34 @@ def test_a_strict_sanitizer_turns_the_checks_on():
     with PoolSanitizer("sim", mode="strict"):
         assert enabled() and CUDAGraphRunner(lambda x: x, [1], (2,), backend="sim").checked
     assert not enabled() and not CUDAGraphRunner(lambda x: x, [1], (2,), backend="sim").checked
+
+
+def test_each_check_runs_alone():
+    def mixes_rows(x):
+        return x - x.mean(dim=0)
+
+    only_outputs = runner(lambda x: x * 2, checked=["outputs"])
+    first = only_outputs.run(torch.ones(3, 8))
+    only_outputs.run(torch.ones(3, 8))
+    with pytest.raises(OverwrittenOutputError):
+        first.sum()
+    assert only_outputs.checks == {"outputs"}
+    with pytest.raises(ConfigError, match="needs checked=True or a checked list with 'capture'"):
+        only_outputs.check_addresses()
+    del first
+    only_outputs.release()
+
+    assert runner(mixes_rows, checked=["outputs", "capture"]).run(torch.randn(3, 8)).shape == (3, 8)  # no poison
+    with pytest.raises(ReplayCheckError, match="depend on the padding"):
+        runner(mixes_rows, checked=["padding"]).run(torch.randn(3, 8))
+
+    w = torch.ones(8)
+    only_capture = runner(lambda x: x * w, checked=["capture"], names={"w": w})
+    out = only_capture.run(torch.ones(3, 8))
+    only_capture.run(torch.ones(3, 8))
+    assert torch.equal(out, torch.ones(3, 8))  # a plain view: the output guard is off
+    w.data = torch.full((8,), 2.0)  # a new storage: the graph still reads the old one
+    with pytest.raises(CapturedAddressError, match="w: captured at 0x"):
+        only_capture.check_addresses()
+    del out
+    only_capture.release()

@@ -152,6 +152,8 @@ class CUDAGraphRunner:
             (what it reads, the op that broke it), each replay with poisoned padding and outputs (rows never
             written, rows that depend on the padding), outputs that raise once a later replay overwrote them,
             and :meth:`check_addresses`. None: on when ``CUDAGRAPH_CHECKED=1`` or a strict sanitizer runs.
+            A list of names from ``checks.CHECKS`` runs only those: ``"capture"`` (the op watch, which
+            :meth:`check_addresses` needs), ``"padding"``, ``"outputs"``.
         names: what to call the tensors the graphs read, for :meth:`check_addresses`: a module (its parameters
             and buffers) or a mapping of name -> tensor, read again at each check.
 
@@ -175,7 +177,7 @@ class CUDAGraphRunner:
         copy_outputs: bool = False,
         enabled: bool = True,
         name: str = "engine",
-        checked: bool | None = None,
+        checked: bool | Iterable[str] | None = None,
         names: Any = None,
     ):
         if not callable(forward):
@@ -218,9 +220,11 @@ class CUDAGraphRunner:
         self._pool_ids: list[tuple[int, PoolId]] = []
         self._stats = RunnerStats()
         self._fallbacks: Counter[str] = Counter()
-        self.checked = checks.enabled() if checked is None else bool(checked)
+        self.checks = checks.selected(checked)
+        self.checked = bool(self.checks)
         self._names = names
-        self._guard = checks.OutputGuard() if self.checked else None
+        self._guard = checks.OutputGuard() if "outputs" in self.checks else None
+        self._poison = "padding" in self.checks
         self._addresses = checks.AddressBook()
 
     # lifecycle
@@ -287,7 +291,7 @@ class CUDAGraphRunner:
             except Exception as e:  # eager failure: the key cannot run at all, record it
                 err = e
             if err is None:
-                watch = checks.CaptureWatch(be.capture_invalidated) if self.checked else None
+                watch = checks.CaptureWatch(be.capture_invalidated) if "capture" in self.checks else None
                 reserved = be.memory_reserved(self.device)
                 t0 = time.perf_counter()
                 with be.stream(self._stream):
@@ -393,6 +397,7 @@ class CUDAGraphRunner:
         self._static_in[:b].copy_(x)
         if self._guard is not None:
             self._guard.replaying((bs, ekey))
+        if self._poison:
             checks.checked_replay(graph, self._static_in, b, bs, out, self.pad_value,
                                   f"runner {self.name!r}, batch {b} on the batch-{bs} graph")
         else:
@@ -443,10 +448,11 @@ class CUDAGraphRunner:
     def check_addresses(self, raise_: bool = True) -> list[str]:
         """Every tensor a graph read at capture (weights, static inputs, caches) that died or moved since:
         name (where ``names`` knows it), old and new address, the graphs that read it. Raises
-        :class:`CapturedAddressError` listing them (``raise_=False``: returns them). Needs ``checked``."""
-        if not self.checked:
-            raise ConfigError(f"runner {self.name!r}: check_addresses() needs checked=True (the capture then "
-                              "records what each graph reads)")
+        :class:`CapturedAddressError` listing them (``raise_=False``: returns them). Needs the ``capture`` check."""
+        if "capture" not in self.checks:
+            raise ConfigError(f"runner {self.name!r}: check_addresses() needs checked=True or a checked list with "
+                              f"'capture' (checked={sorted(self.checks)!r}): the capture then records what each "
+                              "graph reads")
         found = self._addresses.problems(checks.named_tensors(self._names))
         if found and raise_:
             raise CapturedAddressError(f"runner {self.name!r}: {len(found)} captured tensor(s) died or moved since "

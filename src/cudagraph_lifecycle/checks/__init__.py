@@ -5,9 +5,9 @@ sanitizer in ``strict`` mode)."""
 
 from .addresses import AddressBook, named_tensors
 from .capture_watch import CaptureWatch, user_frame
-from .mode import enabled
+from .mode import CHECKS, enabled, selected
 from .outputs import CheckedOutput, OutputGuard
 from .padding import checked_replay
 
-__all__ = ["AddressBook", "CaptureWatch", "CheckedOutput", "OutputGuard", "checked_replay", "enabled",
-           "named_tensors", "user_frame"]
+__all__ = ["CHECKS", "AddressBook", "CaptureWatch", "CheckedOutput", "OutputGuard", "checked_replay", "enabled",
+           "named_tensors", "selected", "user_frame"]
