@@ -16,8 +16,6 @@ import socket
 import sys
 from typing import Any
 
-import cloudpickle
-
 from .worker import ReusedWorker, dumps_call
 
 # Open MPI refuses root and more ranks than cores unless told: CI machines and containers are both.
@@ -51,6 +49,8 @@ def _on_rank(payload: bytes) -> bytes:
 
     if not faulthandler.is_enabled():
         faulthandler.enable()  # a fatal signal on a rank names its Python frames in the crash report
+    import cloudpickle
+
     comm = MPI.COMM_WORLD
     comm.Barrier()  # every rank takes exactly one task of the batch
     rank = comm.Get_rank()
@@ -87,6 +87,8 @@ def rank_dead(host: str, pid: int, here: str | None = None) -> bool:
 def _run_batch(ranks: int, payload: bytes) -> list[tuple]:
     from concurrent.futures import wait
 
+    import cloudpickle
+
     futs = [_executor.submit(_on_rank, payload) for _ in range(ranks)]
     while True:
         _, pending = wait(futs, timeout=0.5)
@@ -106,6 +108,7 @@ def _run_batch(ranks: int, payload: bytes) -> list[tuple]:
 def _call_all(ranks: int, payload: bytes, path: list[str]) -> list[tuple]:
     """Runs in the controller: the same call on every rank; results sorted by rank."""
     global _executor, _executor_size
+    import cloudpickle
     from mpi4py.futures import MPIPoolExecutor
 
     if _executor is None or _executor_size != ranks:

@@ -73,7 +73,11 @@ def _check_report_path(s: dict) -> str:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "cudagraph: a test of CUDA graph lifecycles (the pool sanitizer watches it)")
+    config.addinivalue_line(
+        "markers",
+        "cudagraph(max_pool_bytes=None, max_captures=None, require_replay=False): a test of CUDA graph lifecycles "
+        "(the pool sanitizer watches it); the budgets fail it over them",
+    )
     config.addinivalue_line(
         "markers", "gpu: needs a usable GPU; skipped without one unless --cudagraph-require-gpu (then the session stops)"
     )
@@ -99,12 +103,13 @@ def pytest_configure(config: pytest.Config) -> None:
         # xdist: one GPU per worker, set before anything in this process touches CUDA.
         s["pinned_device"] = pin_xdist_worker(workerinput["workerid"], int(workerinput.get("workercount", 1)))
     if s["require_gpu"] and s["backend"] == "sim":
-        raise pytest.UsageError(f"--cudagraph-require-gpu contradicts {settings.describe_source(s, 'backend')}: "
+        raise pytest.UsageError(f"{settings.describe_source(s, 'require_gpu')} contradicts "
+                                f"{settings.describe_source(s, 'backend')}: "
                                 "drop one of them")
     if s["require_gpu"] or s["backend"] == "cuda":
         effective_backend(config)
         if not s["gpus"]:
-            asked = "--cudagraph-require-gpu" if s["require_gpu"] else settings.describe_source(s, "backend")
+            asked = settings.describe_source(s, "require_gpu" if s["require_gpu"] else "backend")
             raise pytest.UsageError(
                 f"{asked}: no usable GPU is visible to this process (a CPU build of torch, no GPU, or "
                 f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}). Run on a GPU runner, or "

@@ -40,7 +40,7 @@ def lifecycle_section(tr: Any, state: dict, backend: str | None) -> None:
             tr.write_line(f"{'':<48}! {p['kind']}: {first}")
     t = totals(state)
     counts = ", ".join(f"{t[v]} {v}" for v in VERDICTS if t[v] or v in ("fresh", "held"))
-    tr.write_line(f"{t['cycles']} engine cycles: {counts}; {t['failed_cycles']} failed; "
+    tr.write_line(f"{t['cycles']} engine cycle{'' if t['cycles'] == 1 else 's'}: {counts}; {t['failed_cycles']} failed; "
                   f"{t['lifecycle_failures']} test(s) failed for lifecycle reasons; backend {backend}")
 
 

@@ -25,7 +25,13 @@ import traceback
 import weakref
 from typing import Any
 
-import cloudpickle
+
+def _cloudpickle():
+    """cloudpickle, imported at the first call into a worker: a session that starts none never pays for it."""
+    import cloudpickle
+
+    return cloudpickle
+
 
 START_METHODS = ("auto", "fork", "spawn", "forkserver")
 _POISON_MARKERS = ("INTERNAL ASSERT FAILED", "Offset increment outside graph capture")
@@ -154,18 +160,18 @@ def _child_main(conn, stderr_path: str, sys_path: list[str], env: dict[str, str]
         if not payload:
             return
         try:
-            fn, args, kwargs = cloudpickle.loads(payload)
+            fn, args, kwargs = _cloudpickle().loads(payload)
             value = fn(*args, **kwargs)
             try:
-                reply = cloudpickle.dumps(("ok", value))
+                reply = _cloudpickle().dumps(("ok", value))
             except Exception as e:
-                reply = cloudpickle.dumps(
+                reply = _cloudpickle().dumps(
                     ("err", "UnpicklableResult", f"the worker's return value cannot be pickled: {e}", "")
                 )
         except BaseException as e:  # report everything, SystemExit included, and keep serving
             tb = traceback.format_exc()
             print(tb, file=sys.stderr, flush=True)
-            reply = cloudpickle.dumps(("err", type(e).__qualname__, str(e), tb))
+            reply = _cloudpickle().dumps(("err", type(e).__qualname__, str(e), tb))
             del e
         conn.send_bytes(reply)
 
@@ -173,7 +179,7 @@ def _child_main(conn, stderr_path: str, sys_path: list[str], env: dict[str, str]
 def dumps_call(fn, args: tuple, kwargs: dict) -> bytes:
     """``(fn, args, kwargs)`` pickled for a worker or a rank; :class:`UnpicklableCallableError` says why not."""
     try:
-        return cloudpickle.dumps((fn, args, kwargs))
+        return _cloudpickle().dumps((fn, args, kwargs))
     except Exception as e:
         name = getattr(fn, "__qualname__", repr(fn))
         raise UnpicklableCallableError(
@@ -461,7 +467,7 @@ class ReusedWorker:
                 # answer the next call. End it now (promptly: no waiting for the call) and replace it.
                 self._replace()
                 raise
-            status, *rest = cloudpickle.loads(reply)
+            status, *rest = _cloudpickle().loads(reply)
             if status == "ok":
                 return rest[0]
             err = RemoteError(*rest)

@@ -45,6 +45,9 @@ OPTIONS = [
     ("require gpu", ["--cudagraph-require-gpu"], {}, "", "--cudagraph-require-gpu: no usable GPU is visible"),
     ("require gpu and sim", ["--cudagraph-require-gpu", "--cudagraph-backend=sim"], {}, "",
      "--cudagraph-require-gpu contradicts --cudagraph-backend=sim"),
+    ("require gpu env", [], {"CUDAGRAPH_REQUIRE_GPU": "1"}, "", "CUDAGRAPH_REQUIRE_GPU=True: no usable GPU is visible"),
+    ("require gpu ini and sim env", [], {"CUDAGRAPH_BACKEND": "sim"}, "cudagraph_require_gpu = true",
+     "ini key cudagraph_require_gpu=True contradicts CUDAGRAPH_BACKEND=sim"),
 ]
 
 

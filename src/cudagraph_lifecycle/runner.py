@@ -331,7 +331,7 @@ class CUDAGraphRunner:
             out = None
             if not isinstance(err, Exception):  # KeyboardInterrupt, SystemExit: cleaned up, now let it through
                 raise err
-            msg = f"batch {bs} {dict(ekey)}: {type(err).__name__}: {err}"
+            msg = f"batch {bs}{f' {dict(ekey)}' if ekey else ''}: {type(err).__name__}: {err}"
             if err_where:
                 msg += f" -- the op that broke the capture: {err_where}"
             # The traceback's frames hold the capture's temporaries, which would pin the pool: drop them.
