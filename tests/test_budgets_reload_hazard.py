@@ -1,6 +1,7 @@
 """Memory and capture budgets, reloads that leave graphs reading old tensors, and the expandable-segments
 teardown hazard: each catches its bug and passes a correct engine (simulated allocator)."""
 
+import budget_cases
 import pytest
 import torch
 
@@ -63,46 +64,7 @@ def test_an_in_place_reload_passes(engine_sequence):
 
 
 def test_budgets_of_a_cudagraph_marked_test(pytester):
-    res = run(pytester, '''
-import pytest, torch
-from cudagraph_lifecycle import get_backend
-
-def capture(n, replay):
-    be = get_backend("sim")
-    x, graphs = torch.ones(4, 8), []
-    with be.stream(be.capture_stream(0)):
-        for _ in range(n):
-            g = be.new_graph()
-            g.capture_begin(pool=be.graph_pool_handle())
-            y = x * 2
-            g.capture_end()
-            graphs.append((g, y))
-    for g, _ in graphs[:replay]:
-        g.replay()
-    return graphs
-
-@pytest.mark.cudagraph(max_captures=2)
-def test_too_many_captures():
-    keep = capture(3, 3)
-
-@pytest.mark.cudagraph(require_replay=True)
-def test_never_replayed():
-    keep = capture(2, 0)
-
-@pytest.mark.cudagraph(max_pool_bytes=1000)
-def test_over_budget():
-    keep = capture(1, 1)
-
-@pytest.mark.cudagraph(max_pool_bytes=2 << 20, max_captures=2, require_replay=True)
-def test_within_budget():
-    keep = capture(1, 1)
-    for g, _ in keep:
-        g.reset()
-''')
-    res.assert_outcomes(passed=4, errors=3)  # a budget fails the test at its teardown
-    res.stdout.fnmatch_lines(["*too_many_captures: 3 captures, over max_captures=2*",
-                              "*never_replayed: 2 graph(s) captured, none replayed*",
-                              "*pool_over_budget: its graph pools hold 2097152 bytes, over max_pool_bytes=1000*"])
+    budget_cases.check(run(pytester, budget_cases.SIM_CAPTURE + budget_cases.MARKED_TESTS))
 
 
 def test_budgets_of_an_engine_sequence(pytester):

@@ -1,5 +1,6 @@
 """GPU tests (marker ``gpu``): skipped without a GPU, run by scripts/gpu_check.sh on the H200."""
 
+import budget_cases
 import gpu_cases
 import pytest
 
@@ -114,49 +115,10 @@ def test_first_cuda_use_in_a_marked_test_is_watched(pytester):
     pytester.runpytest_subprocess("-p", "cudagraph", "-p", "no:cacheprovider").assert_outcomes(passed=1)
 
 
-BUDGETS = """
-import pytest, torch
-
-def capture(n, replay):
-    s = torch.cuda.Stream()
-    x, graphs = torch.ones(4, 8, device="cuda"), []
-    for _ in range(n):
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, stream=s):
-            y = x * 2
-        graphs.append((g, y))
-    for g, _ in graphs[:replay]:
-        g.replay()
-    return graphs
-
-@pytest.mark.cudagraph(max_captures=2)
-def test_too_many_captures():
-    keep = capture(3, 3)
-
-@pytest.mark.cudagraph(require_replay=True)
-def test_never_replayed():
-    keep = capture(2, 0)
-
-@pytest.mark.cudagraph(max_pool_bytes=1000)
-def test_over_budget():
-    keep = capture(1, 1)
-
-@pytest.mark.cudagraph(max_pool_bytes=2 << 20, max_captures=2, require_replay=True)
-def test_within_budget():
-    keep = capture(1, 1)
-    for g, _ in keep:
-        g.reset()
-"""
-
-
 def test_budgets_of_a_cudagraph_marked_test_on_cuda(pytester):
     # the same budgets as on sim (tests/test_budgets_reload_hazard.py), read from what CUDA's allocator holds
-    pytester.makepyfile(test_budgets=BUDGETS)
-    res = pytester.runpytest_subprocess("-p", "cudagraph", "-p", "no:cacheprovider")
-    res.assert_outcomes(passed=4, errors=3)
-    res.stdout.fnmatch_lines(["*too_many_captures: 3 captures, over max_captures=2*",
-                              "*never_replayed: 2 graph(s) captured, none replayed*",
-                              "*pool_over_budget: its graph pools hold 2097152 bytes, over max_pool_bytes=1000*"])
+    pytester.makepyfile(test_budgets=budget_cases.CUDA_CAPTURE + budget_cases.MARKED_TESTS)
+    budget_cases.check(pytester.runpytest_subprocess("-p", "cudagraph", "-p", "no:cacheprovider"))
 
 
 def test_checked_runner_catches_overwritten_outputs_padding_addresses_and_the_broken_op(cudagraph_worker):

@@ -1,0 +1,65 @@
+"""The budgets of a ``cudagraph``-marked test, as a test file: the same four tests and the same report lines
+on the simulated allocator (test_budgets_reload_hazard.py) and on CUDA (test_gpu.py); only ``capture`` differs."""
+
+SIM_CAPTURE = '''
+import pytest, torch
+from cudagraph_lifecycle import get_backend
+
+def capture(n, replay):
+    be = get_backend("sim")
+    x, graphs = torch.ones(4, 8), []
+    with be.stream(be.capture_stream(0)):
+        for _ in range(n):
+            g = be.new_graph()
+            g.capture_begin(pool=be.graph_pool_handle())
+            y = x * 2
+            g.capture_end()
+            graphs.append((g, y))
+    for g, _ in graphs[:replay]:
+        g.replay()
+    return graphs
+'''
+
+CUDA_CAPTURE = '''
+import pytest, torch
+
+def capture(n, replay):
+    s = torch.cuda.Stream()
+    x, graphs = torch.ones(4, 8, device="cuda"), []
+    for _ in range(n):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=s):
+            y = x * 2
+        graphs.append((g, y))
+    for g, _ in graphs[:replay]:
+        g.replay()
+    return graphs
+'''
+
+MARKED_TESTS = '''
+@pytest.mark.cudagraph(max_captures=2)
+def test_too_many_captures():
+    keep = capture(3, 3)
+
+@pytest.mark.cudagraph(require_replay=True)
+def test_never_replayed():
+    keep = capture(2, 0)
+
+@pytest.mark.cudagraph(max_pool_bytes=1000)
+def test_over_budget():
+    keep = capture(1, 1)
+
+@pytest.mark.cudagraph(max_pool_bytes=2 << 20, max_captures=2, require_replay=True)
+def test_within_budget():
+    keep = capture(1, 1)
+    for g, _ in keep:
+        g.reset()
+'''
+
+
+def check(res) -> None:
+    """Three budgets broken (each fails its test at teardown), one kept."""
+    res.assert_outcomes(passed=4, errors=3)
+    res.stdout.fnmatch_lines(["*too_many_captures: 3 captures, over max_captures=2*",
+                              "*never_replayed: 2 graph(s) captured, none replayed*",
+                              "*pool_over_budget: its graph pools hold 2097152 bytes, over max_pool_bytes=1000*"])
