@@ -16,7 +16,7 @@ import socket
 import sys
 from typing import Any
 
-from .worker import ReusedWorker, dumps_call
+from .worker import ReusedWorker, dumps_call, freeze_startup_heap
 
 # Open MPI refuses root and more ranks than cores unless told: CI machines and containers are both.
 MPI_ENV = {
@@ -40,6 +40,7 @@ def mpi_unavailable_reason() -> str | None:
 _executor = None
 _executor_size = 0
 _rank_procs: dict[int, tuple[str, int]] = {}  # rank -> (hostname, pid), recorded when the ranks start
+_frozen = False  # on a rank: its start-up heap is frozen (freeze_startup_heap)
 
 
 def _on_rank(payload: bytes) -> bytes:
@@ -56,6 +57,10 @@ def _on_rank(payload: bytes) -> bytes:
     rank = comm.Get_rank()
     try:
         fn, args, kwargs = cloudpickle.loads(payload)
+        global _frozen
+        if not _frozen:  # as in a reused worker: before the first user code runs on this rank
+            freeze_startup_heap()
+            _frozen = True
         return cloudpickle.dumps((rank, os.getpid(), "ok", fn(*args, **kwargs)))
     except BaseException as e:
         import traceback

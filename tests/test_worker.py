@@ -49,6 +49,37 @@ def test_state_persists_across_calls(worker):
     assert (a, b) == (1, 2) and pid1 == pid2 != os.getpid()
 
 
+class _Cyclic:
+    def __init__(self):
+        self.me = self  # only a collection frees it, like an engine whose runner holds a bound method
+
+
+def make_cycle():
+    import gc
+    import weakref
+
+    global _kept, _ref
+    _kept = _Cyclic()
+    _ref = weakref.ref(_kept)
+    return gc.get_freeze_count()
+
+
+def drop_cycle():
+    import gc
+
+    global _kept
+    _kept = None
+    gc.collect()
+    return _ref() is None
+
+
+def test_the_startup_heap_is_frozen_and_what_calls_make_is_still_collected(worker):
+    # Frozen before the first call: full collections between engines skip the modules' objects...
+    assert worker.call(make_cycle) > 0
+    # ...but a cycle a call made (an engine a test kept across calls) is still collected once dropped
+    assert worker.call(drop_cycle)
+
+
 def test_remote_exception_carries_the_child_traceback(worker):
     with pytest.raises(RemoteError, match="missing thing") as e:
         worker.call(boom)
