@@ -19,11 +19,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from bench.common import emit  # noqa: E402
-from cudagraph_lifecycle import (  # noqa: E402
-    CUDAGraphRunner,
-    checks,  # noqa: E402
-    get_backend,
-)
+from cudagraph_lifecycle import CUDAGraphRunner, checks, get_backend  # noqa: E402
 
 MiB = 1 << 20
 

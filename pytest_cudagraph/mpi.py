@@ -40,7 +40,6 @@ def mpi_unavailable_reason() -> str | None:
 _executor = None
 _executor_size = 0
 _rank_procs: dict[int, tuple[str, int]] = {}  # rank -> (hostname, pid), recorded when the ranks start
-_frozen = False  # on a rank: its start-up heap is frozen (freeze_startup_heap)
 
 
 def _on_rank(payload: bytes) -> bytes:
@@ -57,10 +56,7 @@ def _on_rank(payload: bytes) -> bytes:
     rank = comm.Get_rank()
     try:
         fn, args, kwargs = cloudpickle.loads(payload)
-        global _frozen
-        if not _frozen:  # as in a reused worker: before the first user code runs on this rank
-            freeze_startup_heap()
-            _frozen = True
+        freeze_startup_heap()  # as in a reused worker: once, before the first user code on this rank
         return cloudpickle.dumps((rank, os.getpid(), "ok", fn(*args, **kwargs)))
     except BaseException as e:
         import traceback

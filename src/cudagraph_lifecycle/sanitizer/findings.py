@@ -37,7 +37,8 @@ def collect(backend: Backend, since: int = 0, scope: str | None = None) -> list[
             out.append(Finding(
                 "expandable_teardown", h.key[2], h.key[1], h.live_bytes,
                 f"the last graph of pool {h.key[2]} was reset while {h.live_bytes} bytes of it were alive, under "
-                "expandable_segments:True: peers report that freeing them then crashes the process", h.stacks or (h.reset_at,), h.owner))
+                "expandable_segments:True: peers report that freeing them then crashes the process",
+                h.stacks or (h.reset_at,), h.owner))
     for g in ledger.live_graphs(world):
         if g.seq > since and (scope is None or g.scope == scope):
             out.append(Finding(

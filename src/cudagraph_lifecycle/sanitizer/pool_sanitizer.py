@@ -35,8 +35,9 @@ class PoolSanitizer:
 
     ``mode``: ``on`` raises :class:`StalePoolError` on a stale capture; ``strict`` also makes :meth:`check`
     raise on findings and refuses a reset that would tear down a pool with live blocks under expandable
-    segments (:class:`ExpandableSegmentsHazardError`; ``on`` reports it as a finding). ``record_history`` records an allocation stack for every block, so pinned pools are
-    reported with the lines that allocated what pins them. ``scope`` limits findings to one engine scope.
+    segments (:class:`ExpandableSegmentsHazardError`; ``on`` reports it as a finding). ``record_history``
+    records an allocation stack for every block, so pinned pools are reported with the lines that allocated
+    what pins them. ``scope`` limits findings to one engine scope.
     """
 
     def __init__(self, backend: Backend | str = "auto", mode: str = "on", record_history: bool = False,
