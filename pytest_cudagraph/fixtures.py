@@ -48,11 +48,11 @@ def _check_budgets(nodeid: str, world: Any, backend: Any, limits: dict[str, Any]
     captures = ledger.captures_in(nodeid)
     if not captures:
         return out  # its graphs live in workers (engine_sequence judges those per engine)
-    pool_bytes = sum(backend.pool_state(k[2], k[1]).reserved_bytes for k in ledger.pools_of_scope(world, nodeid))
+    pool_bytes = ledger.peak_pool_bytes(world, nodeid, lambda k: backend.pool_state(k[2], k[1]).reserved_bytes)
     replays, _ = ledger.replays_in(nodeid)
     if limits.get("max_pool_bytes") is not None and pool_bytes > limits["max_pool_bytes"]:
-        out.append(f"pool_over_budget: its graph pools hold {pool_bytes} bytes, over max_pool_bytes="
-                   f"{limits['max_pool_bytes']}")
+        out.append(f"pool_over_budget: its graph pools held {pool_bytes} bytes at their peak, over "
+                   f"max_pool_bytes={limits['max_pool_bytes']}")
     if limits.get("max_captures") is not None and captures > limits["max_captures"]:
         out.append(f"too_many_captures: {captures} captures, over max_captures={limits['max_captures']}")
     if limits.get("require_replay") and not replays:
@@ -94,11 +94,14 @@ def _cudagraph_sanitize(request: pytest.FixtureRequest):
     limits = budgets(request.node)
     backend = get_backend(effective_backend(request.config))
     san = PoolSanitizer(backend, mode=s["sanitize"], scope=nodeid).start()
+    if limits.get("max_pool_bytes") is not None:
+        ledger.watch_pool_bytes(nodeid)  # pools released and flushed during the test count at their peak
     try:
         with ledger.engine_scope(nodeid):
             yield san
         over = _check_budgets(nodeid, backend.world, backend, limits) if limits else []
     finally:
+        ledger.unwatch_pool_bytes(nodeid)
         san.stop()
     if over:
         request.node.user_properties.append((STRICT_FAILURE, "1"))

@@ -1,5 +1,6 @@
-"""The budgets of a ``cudagraph``-marked test, as a test file: the same four tests and the same report lines
-on the simulated allocator (test_budgets_reload_hazard.py) and on CUDA (test_gpu.py); only ``capture`` differs."""
+"""The budgets of a ``cudagraph``-marked test, as a test file: the same five tests and the same report lines
+on the simulated allocator (test_budgets_reload_hazard.py) and on CUDA (test_gpu.py); only ``capture`` and
+``flush`` differ."""
 
 SIM_CAPTURE = '''
 import pytest, torch
@@ -18,6 +19,9 @@ def capture(n, replay):
     for g, _ in graphs[:replay]:
         g.replay()
     return graphs
+
+def flush():
+    get_backend("sim").empty_cache()
 '''
 
 CUDA_CAPTURE = '''
@@ -34,6 +38,9 @@ def capture(n, replay):
     for g, _ in graphs[:replay]:
         g.replay()
     return graphs
+
+def flush():
+    torch.cuda.empty_cache()
 '''
 
 MARKED_TESTS = '''
@@ -49,6 +56,14 @@ def test_never_replayed():
 def test_over_budget():
     keep = capture(1, 1)
 
+@pytest.mark.cudagraph(max_pool_bytes=1000)
+def test_over_budget_then_released_and_flushed():
+    keep = capture(1, 1)
+    for g, y in keep:
+        g.reset()
+    del keep, g, y  # the output too: a live output pins the pool's segment through the flush
+    flush()  # the pool's segment is gone by the end: its peak still counts
+
 @pytest.mark.cudagraph(max_pool_bytes=2 << 20, max_captures=2, require_replay=True)
 def test_within_budget():
     keep = capture(1, 1)
@@ -58,8 +73,8 @@ def test_within_budget():
 
 
 def check(res) -> None:
-    """Three budgets broken (each fails its test at teardown), one kept."""
-    res.assert_outcomes(passed=4, errors=3)
+    """Four budgets broken (each fails its test at teardown), one kept."""
+    res.assert_outcomes(passed=5, errors=4)
+    over = "*pool_over_budget: its graph pools held 2097152 bytes at their peak, over max_pool_bytes=1000*"
     res.stdout.fnmatch_lines(["*too_many_captures: 3 captures, over max_captures=2*",
-                              "*never_replayed: 2 graph(s) captured, none replayed*",
-                              "*pool_over_budget: its graph pools hold 2097152 bytes, over max_pool_bytes=1000*"])
+                              "*never_replayed: 2 graph(s) captured, none replayed*", over, over])

@@ -193,6 +193,10 @@ class Ledger:
         self.replays_by_scope: dict[str, int] = {}  # replays of the scope's graphs that are gone
         self.unreplayed_by_scope: dict[str, int] = {}  # the scope's graphs that went without one replay
         self.hazards: deque[TeardownHazard] = deque(maxlen=256)
+        # scopes under a pool-bytes budget -> the most bytes each of their pools was seen to hold: an
+        # allocator frees a dead pool's segments only at a cache flush, so a read before each flush and one
+        # at the end give the peak
+        self.peak_bytes: dict[str, dict[Key, int]] = {}
         self.generation = 0
         self.pending: deque = deque()  # (callable, args) queued by weak-reference callbacks
         self.pending_keys: set[Key] = set()  # the pools those events touch: a capture drains only for its own
@@ -421,6 +425,30 @@ class Ledger:
                 if e.world == world and e.device_count <= 0 and e.device_alive and holds_nothing(e):
                     e.device_alive = False
                     self.restate(e)
+
+    def watch_pool_bytes(self, scope: str) -> None:
+        """Keep the peak bytes of the pools ``scope`` captures into (a budget's test): see :meth:`before_flush`."""
+        with self.lock:
+            self.peak_bytes[scope] = {}
+
+    def unwatch_pool_bytes(self, scope: str) -> None:
+        with self.lock:
+            self.peak_bytes.pop(scope, None)
+
+    def before_flush(self, world: Any, read: Callable[[Key], int]) -> None:
+        """A device cache flush is about to free the segments of dead pools: remember what the watched
+        scopes' pools hold first. ``read(key)`` gives a pool's reserved bytes now."""
+        with self.lock:
+            for scope, seen in self.peak_bytes.items():
+                for key in self.pools_of_scope(world, scope):
+                    seen[key] = max(seen.get(key, 0), read(key))
+
+    def peak_pool_bytes(self, world: Any, scope: str, read: Callable[[Key], int]) -> int:
+        """The bytes ``scope``'s pools held at their peak: the larger of what they hold now and what they held
+        before each flush since :meth:`watch_pool_bytes` (without a watch, what they hold now)."""
+        with self.lock:
+            seen = self.peak_bytes.get(scope, {})
+            return sum(max(seen.get(key, 0), read(key)) for key in self.pools_of_scope(world, scope))
 
     def host_flushed(self, world: Any) -> None:
         """The host allocator's flush erases its graph pools at use count 0 (captures hold no host block)."""

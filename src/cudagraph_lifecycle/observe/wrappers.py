@@ -226,8 +226,10 @@ def flush(parse, hooks: Hooks, original, host: bool):
 
     @functools.wraps(original)
     def wrapper(*args, **kwargs):
-        out = original(*args, **kwargs)
         be = parse(args, kwargs)
+        if be is not None and not host and led.peak_bytes:  # a budget's test: read its pools before they go
+            led.before_flush(be.world, lambda k: be.pool_state(k[2], k[1]).reserved_bytes)
+        out = original(*args, **kwargs)
         if be is not None:
             if host:
                 led.host_flushed(be.world)
