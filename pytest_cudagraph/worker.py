@@ -22,6 +22,7 @@ import tempfile
 import threading
 import time
 import traceback
+import warnings
 import weakref
 from typing import Any
 
@@ -275,6 +276,31 @@ def crash_frames(stderr: str, limit: int = 10) -> list[str]:
     return frames
 
 
+def _end_child(proc, conn, stderr_path: str | None) -> None:
+    """Ends a child's whole session, whatever its state (alive, exited, killed, crashed), and its files."""
+    if proc is not None:
+        if proc.exitcode is None:  # alive, so its pid (= its session id) is still its own
+            _kill_session(proc.pid)
+            proc.kill()  # in case it is not in its own session yet
+        elif not _pid_in_use(proc.pid):
+            # Gone, but what it started may live on in its session. (A process that now has its pid is
+            # someone else's, and then its session is empty: a number is reused only once unreferenced.)
+            _kill_session(proc.pid)
+        proc.join(5)
+    if conn is not None:
+        conn.close()
+    if stderr_path and os.path.exists(stderr_path):
+        os.unlink(stderr_path)
+
+
+def _end_dropped(proc, conn, stderr_path: str, name: str) -> None:
+    """A worker garbage-collected without close(): end its child now, and say so."""
+    warnings.warn(f"ReusedWorker {name!r} (pid {proc.pid}) was dropped without close(): its child and everything "
+                  "it started were killed. Close workers (or use them as context managers).", ResourceWarning,
+                  stacklevel=1)  # a finalizer's caller is the collector, not user code
+    _end_child(proc, conn, stderr_path)
+
+
 _live: weakref.WeakSet[ReusedWorker] = weakref.WeakSet()
 
 
@@ -324,6 +350,7 @@ class ReusedWorker:
         self._proc = None
         self._conn = None
         self._stderr_path: str | None = None
+        self._dropped: weakref.finalize | None = None  # ends the child if this object is dropped unclosed
         self._lock = threading.Lock()
         self._needs_restart = False
         _live.add(self)
@@ -373,6 +400,10 @@ class ReusedWorker:
             self._proc, self._conn, self._stderr_path = proc, parent, stderr_path
             self._needs_restart = False
             _live.add(self)  # again after a close(): close_all_workers must find it
+            # Dropped without close(), the child would live (and hold its GPU memory) until the session ends:
+            # the child keeps a copy of this end of the pipe, so it never sees EOF.
+            self._dropped = weakref.finalize(self, _end_dropped, proc, parent, stderr_path, self.name)
+            self._dropped.atexit = False  # at exit close_all_workers ends live workers politely
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         return self
@@ -392,20 +423,10 @@ class ReusedWorker:
 
     def _kill(self) -> None:
         """Ends the child's whole session, whatever the child's state (alive, exited, killed, crashed)."""
-        proc = self._proc
-        if proc is not None:
-            if proc.exitcode is None:  # alive, so its pid (= its session id) is still its own
-                _kill_session(proc.pid)
-                proc.kill()  # in case it is not in its own session yet
-            elif not _pid_in_use(proc.pid):
-                # Gone, but what it started may live on in its session. (A process that now has its pid is
-                # someone else's, and then its session is empty: a number is reused only once unreferenced.)
-                _kill_session(proc.pid)
-            proc.join(5)
-        if self._conn is not None:
-            self._conn.close()
-        if self._stderr_path and os.path.exists(self._stderr_path):
-            os.unlink(self._stderr_path)
+        if self._dropped is not None:
+            self._dropped.detach()
+            self._dropped = None
+        _end_child(self._proc, self._conn, self._stderr_path)
         self._proc = self._conn = self._stderr_path = None
 
     def _replace(self) -> None:

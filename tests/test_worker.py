@@ -111,6 +111,17 @@ def test_close_leaves_no_process():
         os.kill(pid, 0)
 
 
+def test_a_worker_dropped_without_close_ends_its_child_at_once():
+    import gc
+
+    w = ReusedWorker(start_method="fork")
+    pid = w.call(os.getpid)
+    with pytest.warns(ResourceWarning, match="dropped without close"):
+        del w
+        gc.collect()
+    assert gone(pid)
+
+
 def test_start_method_rules(monkeypatch):
     assert resolve_start_method("auto")[0] == "fork"
     import torch
