@@ -3,9 +3,9 @@ way TensorRT-LLM deploys them (a module-scoped pool of 2, 4 or 8 ranks).
 
 The executor lives in a controller process (a :class:`ReusedWorker`), not in pytest: when a rank dies,
 the MPI runtime may abort the whole job, and with it the process that spawned the ranks. Behind the
-controller that costs one worker, reported as a crash with the rank's stderr. On a timeout the controller's
-session is killed; the MPI daemon (Open MPI's orted runs in a session of its own) then ends its ranks and
-itself. The next call starts fresh ranks.
+controller that costs one worker, reported as a crash with the rank's stderr. On a timeout the controller is
+ended with everything it started: the MPI daemon (Open MPI's orted runs in a session of its own) and the
+ranks carry the controller's tag in their environment and are killed with it. The next call starts fresh ranks.
 """
 
 from __future__ import annotations

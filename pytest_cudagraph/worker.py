@@ -6,13 +6,15 @@ parent has not touched CUDA, and spawns (cloudpickle for closures and lambdas) w
 every start, so a restart after the parent initialized CUDA spawns.
 
 The child runs in its own session: a terminal's Ctrl-C reaches only pytest, and ending the worker (close, a
-timeout, a crash, an interrupted call) kills the whole session, so nothing the child started outlives it.
+timeout, a crash, an interrupted call) kills the whole session, and every process whose environment carries
+the child's tag (what left the session: a daemon, Open MPI's orted), so nothing the child started outlives it.
 """
 
 from __future__ import annotations
 
 import atexit
 import faulthandler
+import itertools
 import multiprocessing as mp
 import os
 import re
@@ -241,6 +243,30 @@ def _pid_in_use(pid: int) -> bool:
     return True
 
 
+TAG_VAR = "CUDAGRAPH_WORKER_TAG"  # in a child's environment, inherited by everything it starts
+
+
+def _tagged(tag: str) -> list[int]:
+    """The processes whose environment carries ``tag``: what a child started, also where it left the child's
+    session (a daemon's setsid, Open MPI's orted) and was reparented. Linux only; elsewhere none."""
+    needle = f"{TAG_VAR}={tag}\0".encode()
+    me, pids = os.getpid(), []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return pids
+    for entry in entries:
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if needle in f.read() + b"\0":
+                    pids.append(int(entry))
+        except OSError:
+            continue  # gone meanwhile, or not ours to read
+    return pids
+
+
 def _kill_session(sid: int) -> None:
     """SIGKILL every process of the worker's session: its process group, and members that made their own."""
     for kill, pid in [(os.killpg, sid)] + [(os.kill, p) for p in _session_members(sid)]:
@@ -276,8 +302,9 @@ def crash_frames(stderr: str, limit: int = 10) -> list[str]:
     return frames
 
 
-def _end_child(proc, conn, stderr_path: str | None) -> None:
-    """Ends a child's whole session, whatever its state (alive, exited, killed, crashed), and its files."""
+def _end_child(proc, conn, stderr_path: str | None, tag: str | None = None) -> None:
+    """Ends a child's whole session and whatever carries its tag, whatever its state (alive, exited, killed,
+    crashed), and its files."""
     if proc is not None:
         if proc.exitcode is None:  # alive, so its pid (= its session id) is still its own
             _kill_session(proc.pid)
@@ -287,21 +314,27 @@ def _end_child(proc, conn, stderr_path: str | None) -> None:
             # someone else's, and then its session is empty: a number is reused only once unreferenced.)
             _kill_session(proc.pid)
         proc.join(5)
+    for pid in _tagged(tag) if tag else ():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
     if conn is not None:
         conn.close()
     if stderr_path and os.path.exists(stderr_path):
         os.unlink(stderr_path)
 
 
-def _end_dropped(proc, conn, stderr_path: str, name: str) -> None:
+def _end_dropped(proc, conn, stderr_path: str, tag: str, name: str) -> None:
     """A worker garbage-collected without close(): end its child now, and say so."""
     warnings.warn(f"ReusedWorker {name!r} (pid {proc.pid}) was dropped without close(): its child and everything "
                   "it started were killed. Close workers (or use them as context managers).", ResourceWarning,
                   stacklevel=1)  # a finalizer's caller is the collector, not user code
-    _end_child(proc, conn, stderr_path)
+    _end_child(proc, conn, stderr_path, tag)
 
 
 _live: weakref.WeakSet[ReusedWorker] = weakref.WeakSet()
+_tags = itertools.count(1)
 
 
 def close_all_workers() -> None:
@@ -350,6 +383,7 @@ class ReusedWorker:
         self._proc = None
         self._conn = None
         self._stderr_path: str | None = None
+        self._tag: str | None = None  # in the child's environment: finds what it started wherever it went
         self._dropped: weakref.finalize | None = None  # ends the child if this object is dropped unclosed
         self._lock = threading.Lock()
         self._needs_restart = False
@@ -376,7 +410,9 @@ class ReusedWorker:
         os.close(fd)
         parent, child = ctx.Pipe(duplex=True)
         parent_pid = None if self.start_method == "forkserver" else os.getpid()  # forkserver's is its server
-        proc = ctx.Process(target=_child_main, args=(child, stderr_path, list(sys.path), self.env, parent_pid),
+        tag = f"{os.getpid()}-{next(_tags)}"
+        env = {**self.env, TAG_VAR: tag}
+        proc = ctx.Process(target=_child_main, args=(child, stderr_path, list(sys.path), env, parent_pid),
                            daemon=True)
         if self.start_method != "fork":
             # spawn and forkserver start multiprocessing's resource tracker on first use, and that UNBLOCKS
@@ -397,12 +433,12 @@ class ReusedWorker:
                 raise
             finally:
                 child.close()
-            self._proc, self._conn, self._stderr_path = proc, parent, stderr_path
+            self._proc, self._conn, self._stderr_path, self._tag = proc, parent, stderr_path, tag
             self._needs_restart = False
             _live.add(self)  # again after a close(): close_all_workers must find it
             # Dropped without close(), the child would live (and hold its GPU memory) until the session ends:
             # the child keeps a copy of this end of the pipe, so it never sees EOF.
-            self._dropped = weakref.finalize(self, _end_dropped, proc, parent, stderr_path, self.name)
+            self._dropped = weakref.finalize(self, _end_dropped, proc, parent, stderr_path, tag, self.name)
             self._dropped.atexit = False  # at exit close_all_workers ends live workers politely
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
@@ -426,8 +462,8 @@ class ReusedWorker:
         if self._dropped is not None:
             self._dropped.detach()
             self._dropped = None
-        _end_child(self._proc, self._conn, self._stderr_path)
-        self._proc = self._conn = self._stderr_path = None
+        _end_child(self._proc, self._conn, self._stderr_path, self._tag)
+        self._proc = self._conn = self._stderr_path = self._tag = None
 
     def _replace(self) -> None:
         """The child is of no use any more (crashed, hung, interrupted, poisoned): the next call starts one."""

@@ -4,12 +4,13 @@ Each row names a fault, what it does, the exception the caller gets and the word
 and whether the worker's process is replaced. Every row runs the same way, which is the rest of the
 specification:
 
-1. the worker serves a call (its state: one call made), and a call that starts ``sleep 60`` (a grandchild);
+1. the worker serves a call (its state: one call made), and a call that starts two ``sleep 60`` (grandchildren:
+   one in the worker's session, one that made its own, as a daemon or Open MPI's orted does);
 2. the fault: the caller gets exactly that exception type with those words (or no exception);
 3. the SAME worker object serves the next call: in a new process with fresh state (``replaced``, counted in
    ``restarts``) or in the same process with its state kept;
-4. after ``close()``, no process the worker ever ran is left: its children and the grandchild are gone,
-   whatever state the fault left them in.
+4. after ``close()``, no process the worker ever ran is left: its children and both grandchildren are gone,
+   whatever state the fault left them in (and a replaced process's grandchildren right at the replacement).
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ def bump() -> tuple[int, int]:
     return STATE["n"], os.getpid()
 
 
-def start_sleeper() -> int:
-    return subprocess.Popen(["sleep", "60"]).pid
+def start_sleepers() -> tuple[int, int]:
+    return subprocess.Popen(["sleep", "60"]).pid, subprocess.Popen(["sleep", "60"], start_new_session=True).pid
 
 
 def segv_here():
@@ -158,7 +159,7 @@ def test_fault(row: Row):
     w = ReusedWorker(start_method=row.start_method, timeout=row.timeout, name=row.id)
     try:
         n, pid = w.call(bump)
-        sleeper = w.call(start_sleeper)
+        sleepers = w.call(start_sleepers)
         with pytest.raises(row.raises) if row.raises else contextlib.nullcontext() as e:
             row.act(w)
         for word in row.words:
@@ -166,9 +167,11 @@ def test_fault(row: Row):
         n2, pid2 = w.call(bump)
         if row.replaced:
             assert (n2, w.restarts) == (1, 1) and pid2 != pid and gone(pid), f"{row.does}: not replaced"
+            assert all(gone(p) for p in sleepers), f"{row.does}: the replaced process's grandchildren run on"
         else:
             assert (n2, pid2, w.restarts) == (n + 1, pid, 0), f"{row.does}: lost its process or state"
     finally:
         w.close()
-    assert gone(sleeper), f"the grandchild `sleep 60` (pid {sleeper}) outlived close()"
+    for p in sleepers:
+        assert gone(p), f"a grandchild `sleep 60` (pid {p}) outlived close()"
     assert gone(pid2), f"the worker (pid {pid2}) outlived close()"
