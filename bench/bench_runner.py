@@ -333,6 +333,59 @@ def bench_sanitizer(be, rounds=200, step_rounds=10):
             "capture_spread_ms": [min(plain), max(plain)], "capture_spread_sanitized_ms": [min(watched), max(watched)]}
 
 
+def bench_flush_path(be, rounds=60, pinned=8, graphs=8):
+    """Captures through ``torch.cuda.graph`` (``backend.graph``), which flushes the cache at each one, while
+    ``pinned`` pools released by earlier engines are pinned by outputs kept alive: at every flush the
+    sanitizer must ask which of them the flush erased (a read of the allocator's books). Plain vs
+    sanitized, paired ABBA; the median of the per-round ratios."""
+    import gc
+
+    from cudagraph_lifecycle import PoolSanitizer
+
+    dev = be.torch_device(0)
+    x = torch.ones(64, 256, device=dev)
+    stream = be.new_stream()
+    kept = []
+    with PoolSanitizer(be):  # the ledger knows these pools: each is released, and pinned by its output
+        for _ in range(pinned):
+            g = be.new_graph()
+            with be.graph(g, pool=be.graph_pool_handle(), stream=stream):
+                y = x * 2
+            g.reset()
+            kept.append(y)
+            del g, y
+
+    def capture_ms():
+        gc.collect()
+        pool, gs = be.graph_pool_handle(), []
+        t0 = time.perf_counter()
+        for _ in range(graphs):
+            g = be.new_graph()
+            with be.graph(g, pool=pool, stream=stream):
+                (x + 1).relu_()
+            gs.append(g)
+        dt = (time.perf_counter() - t0) * 1e3
+        for g in gs:
+            g.reset()
+        return dt
+
+    def sanitized():
+        with PoolSanitizer(be):
+            return capture_ms()
+
+    capture_ms(), sanitized()
+    plain, watched = [], []
+    for i in range(rounds):
+        for side in ((capture_ms, sanitized) if i % 2 == 0 else (sanitized, capture_ms)):
+            (plain if side is capture_ms else watched).append(side())
+    ratios = sorted(b / a for a, b in zip(plain, watched))
+    del kept
+    return {"pinned_pools": pinned, "graphs": graphs, "rounds": rounds,
+            "capture_ms": statistics.median(plain), "capture_ms_sanitized": statistics.median(watched),
+            "overhead": statistics.median(ratios) - 1,
+            "overhead_iqr": [ratios[len(ratios) // 4] - 1, ratios[-len(ratios) // 4 - 1] - 1]}
+
+
 def sanitized_profile(be, capture, top=15):
     """Where a sanitized capture's host time goes (cProfile, own time): for the next overhead cut."""
     import cProfile
@@ -359,7 +412,7 @@ def main():
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--iters", type=int, default=2000)
     ap.add_argument("--json")
-    parts = ("step", "memory", "release", "checks", "sanitizer")
+    parts = ("step", "memory", "release", "checks", "sanitizer", "flush")
     ap.add_argument("--only", choices=parts, action="append", help="run only these parts (repeatable)")
     a = ap.parse_args()
     be = get_backend(a.backend)
@@ -370,6 +423,8 @@ def main():
         "release": lambda: bench_release(be),
         "checks": lambda: bench_checks(be, iters // 4),
         "sanitizer": lambda: bench_sanitizer(be) if be.name == "cuda" else bench_sanitizer(be, 20, step_rounds=2),
+        "flush": lambda: [bench_flush_path(be, pinned=n) if be.name == "cuda" else bench_flush_path(be, 6, pinned=n)
+                          for n in (0, 8)],
     }
     out = {"meta": be.describe() | {"date": time.strftime("%Y-%m-%d %H:%M:%S")}}
     for part in a.only or parts:

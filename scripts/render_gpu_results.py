@@ -65,6 +65,11 @@ def main(folder: str) -> None:
                 print(f"| sanitizer: its wrappers' own time per capture | {san['wrapper_us_per_capture']:.1f} µs "
                       f"({san['wrapper_share_of_capture'] * 100:.1f}% of capture time) | |")
             print(f"| sanitizer: replay step ratio | {san['step_ratio']:.3f} | within noise |")
+        for fl in br.get("flush", []):
+            print(f"| sanitizer: `torch.cuda.graph` captures (a cache flush each) with {fl['pinned_pools']} released "
+                  f"pools pinned | {fl['overhead'] * 100:+.1f}% ({fl['capture_ms_sanitized']:.2f} vs "
+                  f"{fl['capture_ms']:.2f} ms for {fl['graphs']} graphs; IQR {fl['overhead_iqr'][0] * 100:+.1f} … "
+                  f"{fl['overhead_iqr'][1] * 100:+.1f}%) | |")
         chk = br.get("checks")
         if chk:
             print(f"| checked mode: step / default step (batch 3 on the batch-4 graph) | {chk['step_ratio']:.2f} "

@@ -211,6 +211,14 @@ class Backend(ABC):
     def segments(self, device: int = 0) -> list[dict[str, Any]]:
         """Every segment on ``device``: address, size, pool id and stream (for diagnostics)."""
 
+    def pool_bytes(self, device: int = 0) -> dict[PoolId, int]:
+        """Reserved bytes of every pool that holds a segment on ``device``, from one read of the books (a
+        ``memory_snapshot()`` on CUDA: one per cache flush, not one per pool)."""
+        out: dict[PoolId, int] = {}
+        for s in self.segments(device):
+            out[s["pool_id"]] = out.get(s["pool_id"], 0) + s["size"]
+        return out
+
     @abstractmethod
     def memory_reserved(self, device: int = 0) -> int: ...
 
