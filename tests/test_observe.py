@@ -116,3 +116,40 @@ def test_capture_into_a_dead_pool_is_recorded_even_without_a_judge():
         assert attempt.key == (be.world, 0, h) and attempt.device_dead and "test_observe.py" in attempt.minted_at
     finally:
         observe.release()
+
+
+def test_cache_flushes_read_the_allocators_books_only_when_asked(monkeypatch):
+    # torch.cuda.graph flushes the cache at every capture; which released pools a flush erased is read once,
+    # when a query or a capture into one of them needs it (a snapshot costs ~300 us on CUDA)
+    import torch
+
+    be = SimBackend()
+    reads = []
+    books = be.pool_bytes
+    monkeypatch.setattr(be, "pool_bytes", lambda device=0: reads.append(device) or books(device))
+    x, s = torch.ones(4, 8), be.new_stream()
+    with PoolSanitizer(be) as san:
+        pinned, kept = [], []
+        for _ in range(3):  # released pools, each pinned by its output
+            pinned.append(be.graph_pool_handle())
+            g = be.new_graph()
+            with be.graph(g, pool=pinned[-1], stream=s):
+                kept.append(x * 2)
+            g.reset()
+        pool, graphs = be.graph_pool_handle(), []
+        for _ in range(5):
+            graphs.append(be.new_graph())
+            with be.graph(graphs[-1], pool=pool, stream=s):
+                x + 1
+        assert reads == []
+        del kept[0]  # its pool unpinned: the next flush erases it
+        be.empty_cache()
+        alive = {e.pool_id for e in ledger.snapshot(be.world)}
+        assert len(reads) == 1
+        assert tuple(pinned[0]) not in alive and {tuple(pinned[1]), tuple(pinned[2]), tuple(pool)} <= alive
+        g = be.new_graph()  # the erased pool's id may be captured into again; the pinned ones may not
+        with be.graph(g, pool=pinned[0], stream=s):
+            x + 1
+        assert san.stale_caught == 0
+        with pytest.raises(Exception, match="stale pool"), be.graph(be.new_graph(), pool=pinned[1], stream=s):
+            pass

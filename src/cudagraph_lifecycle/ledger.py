@@ -122,6 +122,7 @@ class PoolEntry:
     scopes: list[str] = field(default_factory=list)  # engine scopes that captured into it, first first
     last_seq: int = 0  # ledger sequence number of its latest capture
     retired: bool = False  # a LazyPool retired it: never to be captured into again
+    flushed: bool = False  # at use count 0 when a cache flush ran: erased or not is read at the next settle()
 
     @property
     def key(self) -> Key:
@@ -197,6 +198,9 @@ class Ledger:
         # allocator frees a dead pool's segments only at a cache flush, so a read before each flush and one
         # at the end give the peak
         self.peak_bytes: dict[str, dict[Key, int]] = {}
+        # world -> a function returning a reader of pool bytes by key (None once the world is gone): how a
+        # settle() learns which flushed pools the flushes erased
+        self.unsettled: dict[Any, Callable[[], Callable[[Key], int] | None]] = {}
         self.generation = 0
         self.pending: deque = deque()  # (callable, args) queued by weak-reference callbacks
         self.pending_keys: set[Key] = set()  # the pools those events touch: a capture drains only for its own
@@ -234,6 +238,7 @@ class Ledger:
         """An isolated allocator world was destroyed: its pools cannot be captured into again."""
         with self.lock:
             self.drain()
+            self.unsettled.pop(world, None)
             for store in (self.pools, self.dead, self.erased):
                 for key in [k for k in store if k[0] == world]:
                     del store[key]
@@ -417,14 +422,33 @@ class Ledger:
                 e.released_at = where
             self.restate(e)
 
-    def device_flushed(self, world: Any, holds_nothing: Callable[[PoolEntry], bool]) -> None:
-        """``empty_cache`` ran: a pool at use count 0 whose segments are all free is erased."""
+    def device_flushed(self, world: Any, reader: Callable[[], Callable[[Key], int] | None]) -> None:
+        """``empty_cache`` ran: a pool at use count 0 whose segments were all free is erased. Which ones is
+        decided at the next :meth:`settle` (a query, or a capture into one of them), not here: torch.cuda.graph
+        flushes at every capture, and reading the allocator's books costs ~300 us on CUDA. Deferring is exact:
+        a pool's segments go only at a flush, so a pool that has none at the settle had no live block at one
+        of the flushes since it was released (and was erased there), and one that still has some was not."""
         with self.lock:
             self.drain()
-            for e in list(self.pools.values()):
-                if e.world == world and e.device_count <= 0 and e.device_alive and holds_nothing(e):
-                    e.device_alive = False
-                    self.restate(e)
+            flagged = False
+            for e in self.pools.values():
+                if e.world == world and e.device_count <= 0 and e.device_alive:
+                    e.flushed = flagged = True
+            if flagged:
+                self.unsettled[world] = reader
+
+    def settle(self, world: Any = None) -> None:
+        """Decide which flushed pools the flushes erased: one read of the books per world (and device)."""
+        with self.lock:
+            for w in [w for w in self.unsettled if world is None or w == world]:
+                read = self.unsettled.pop(w)()
+                for e in list(self.pools.values()):
+                    if e.world != w or not e.flushed:
+                        continue
+                    e.flushed = False
+                    if read is not None and e.device_count <= 0 and e.device_alive and read(e.key) == 0:
+                        e.device_alive = False
+                        self.restate(e)
 
     def watch_pool_bytes(self, scope: str) -> None:
         """Keep the peak bytes of the pools ``scope`` captures into (a budget's test): see :meth:`before_flush`."""
@@ -470,9 +494,10 @@ class Ledger:
 
     # queries -----------------------------------------------------------------------------------------
     def snapshot(self, world: Any = None) -> list[PoolEntry]:
-        """The pool entries (of one world, or all), after applying queued events."""
+        """The pool entries (of one world, or all), after applying queued events and settling flushes."""
         with self.lock:
             self.drain()
+            self.settle(world)
             return [e for e in list(self.pools.values()) if world is None or e.world == world]
 
     def live_graphs(self, world: Any = None) -> list[GraphEntry]:
@@ -484,6 +509,7 @@ class Ledger:
     def pool(self, world: Any, device: int, pool: PoolId) -> PoolEntry | None:
         with self.lock:
             self.drain()
+            self.settle(world)
             return self.pools.get((world, device, tuple(pool)))
 
     def scopes_of(self, world: Any, device: int, pool: PoolId) -> list[str]:

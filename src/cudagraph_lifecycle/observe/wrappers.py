@@ -53,6 +53,9 @@ class Hooks:
         """A capture into ``pool``: record and judge it if the pool is dead."""
         led = self.ledger
         e = led.dead.get((world, device, pool))
+        if e is not None and e.flushed:  # a flush since its release may have erased it: read the books now
+            led.settle(world)
+            e = led.dead.get((world, device, pool))
         if e is None:
             return
         with led.lock:
@@ -234,11 +237,15 @@ def flush(parse, hooks: Hooks, original, host: bool):
             if host:
                 led.host_flushed(be.world)
             else:
-                read = _bytes_reader(be)
-                led.device_flushed(be.world, lambda e: read(e.key) == 0)
+                led.device_flushed(be.world, functools.partial(_reader_of, weakref.ref(be)))
         return out
 
     return wrapper
+
+
+def _reader_of(ref: weakref.ref) -> Callable[[tuple], int] | None:
+    be = ref()
+    return None if be is None else _bytes_reader(be)
 
 
 def _bytes_reader(be: Backend) -> Callable[[tuple], int]:
