@@ -216,7 +216,8 @@ class Ledger:
                           self.pending_keys):
             container.clear()
         self.retired.clear()
-        for counts in (self.captures_by_scope, self.replays_by_scope, self.unreplayed_by_scope, self.hazards):
+        for counts in (self.captures_by_scope, self.replays_by_scope, self.unreplayed_by_scope, self.hazards,
+                       self.peak_bytes, self.unsettled):
             counts.clear()
         self.scope = None
         self.generation += 1
