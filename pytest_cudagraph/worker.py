@@ -325,12 +325,16 @@ def _end_child(proc, conn, stderr_path: str | None, tag: str | None = None) -> N
         os.unlink(stderr_path)
 
 
-def _end_dropped(proc, conn, stderr_path: str, tag: str, name: str) -> None:
-    """A worker garbage-collected without close(): end its child now, and say so."""
-    warnings.warn(f"ReusedWorker {name!r} (pid {proc.pid}) was dropped without close(): its child and everything "
+def _end_dropped(owner: int, proc, conn, stderr_path: str, tag: str, name: str) -> None:
+    """A worker garbage-collected without close(): end its child now, and say so. Only in the process that
+    started it: a forked process that collects its inherited copy of the worker must not end the parent's."""
+    if os.getpid() != owner:
+        return
+    pid = proc.pid
+    _end_child(proc, conn, stderr_path, tag)  # first: under -W error the warning raises
+    warnings.warn(f"ReusedWorker {name!r} (pid {pid}) was dropped without close(): its child and everything "
                   "it started were killed. Close workers (or use them as context managers).", ResourceWarning,
                   stacklevel=1)  # a finalizer's caller is the collector, not user code
-    _end_child(proc, conn, stderr_path, tag)
 
 
 _live: weakref.WeakSet[ReusedWorker] = weakref.WeakSet()
@@ -438,7 +442,8 @@ class ReusedWorker:
             _live.add(self)  # again after a close(): close_all_workers must find it
             # Dropped without close(), the child would live (and hold its GPU memory) until the session ends:
             # the child keeps a copy of this end of the pipe, so it never sees EOF.
-            self._dropped = weakref.finalize(self, _end_dropped, proc, parent, stderr_path, tag, self.name)
+            self._dropped = weakref.finalize(self, _end_dropped, os.getpid(), proc, parent, stderr_path, tag,
+                                             self.name)
             self._dropped.atexit = False  # at exit close_all_workers ends live workers politely
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)

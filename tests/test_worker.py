@@ -122,6 +122,51 @@ def test_a_worker_dropped_without_close_ends_its_child_at_once():
     assert gone(pid)
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the finalizer's raised warning
+def test_a_dropped_worker_ends_its_child_even_when_warnings_are_errors():
+    import gc
+    import warnings
+
+    w = ReusedWorker(start_method="fork")
+    pid = w.call(os.getpid)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        del w
+        gc.collect()  # the warning raises inside the finalizer (reported as ignored), after the child is ended
+    assert gone(pid)
+
+
+def _collect_garbage():
+    import gc
+
+    gc.collect()
+
+
+def test_a_forked_process_collecting_an_inherited_worker_leaves_the_parents_child_alone():
+    import gc
+    import multiprocessing as mp
+
+    class Holder:
+        pass
+
+    w = ReusedWorker(start_method="fork")
+    pid = w.call(os.getpid)
+    gc.disable()  # the worker becomes garbage in a cycle, collected first by the forked process
+    try:
+        h = Holder()
+        h.me, h.w = h, w
+        del w, h
+        p = mp.get_context("fork").Process(target=_collect_garbage)
+        p.start()
+        p.join(30)
+        assert p.exitcode == 0 and not gone(pid, 0.5), "the forked process ended the parent's worker child"
+    finally:
+        gc.enable()
+        with pytest.warns(ResourceWarning):
+            gc.collect()
+    assert gone(pid)
+
+
 def test_start_method_rules(monkeypatch):
     assert resolve_start_method("auto")[0] == "fork"
     import torch
