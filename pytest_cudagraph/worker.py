@@ -6,8 +6,9 @@ parent has not touched CUDA, and spawns (cloudpickle for closures and lambdas) w
 every start, so a restart after the parent initialized CUDA spawns.
 
 The child runs in its own session: a terminal's Ctrl-C reaches only pytest, and ending the worker (close, a
-timeout, a crash, an interrupted call) kills the whole session, and every process whose environment carries
-the child's tag (what left the session: a daemon, Open MPI's orted), so nothing the child started outlives it.
+timeout, a crash, an interrupted call) kills the whole session, the child's descendants (read while it lives)
+and every process whose environment carries the child's tag, so what left the session (a daemon, Open MPI's
+orted) goes too. Not caught: a double-forked daemon that never execs, once the child has crashed.
 """
 
 from __future__ import annotations
@@ -233,6 +234,30 @@ def _session_members(sid: int) -> list[int]:
     return pids
 
 
+def _descendants(root: int) -> list[int]:
+    """Pids descended from ``root`` (Linux /proc; empty elsewhere): what a live child forked, also what left
+    its session without an exec (which carries no tag). Read before the kill: orphans are reparented."""
+    parents: dict[int, int] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # gone meanwhile
+    found, todo = [], [root]
+    while todo:
+        parent = todo.pop()
+        kids = [pid for pid, ppid in parents.items() if ppid == parent]
+        found += kids
+        todo += kids
+    return found
+
+
 def _pid_in_use(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -302,11 +327,13 @@ def crash_frames(stderr: str, limit: int = 10) -> list[str]:
     return frames
 
 
-def _end_child(proc, conn, stderr_path: str | None, tag: str | None = None) -> None:
-    """Ends a child's whole session and whatever carries its tag, whatever its state (alive, exited, killed,
-    crashed), and its files."""
+def _end_child(proc, conn, stderr_path: str | None, tag: str | None = None, tree: list[int] | None = None) -> None:
+    """Ends a child's whole session, its descendants (``tree``: read while it lived) and whatever carries its
+    tag, whatever its state (alive, exited, killed, crashed), and its files."""
+    tree = list(tree or ())
     if proc is not None:
         if proc.exitcode is None:  # alive, so its pid (= its session id) is still its own
+            tree += _descendants(proc.pid)
             _kill_session(proc.pid)
             proc.kill()  # in case it is not in its own session yet
         elif not _pid_in_use(proc.pid):
@@ -314,7 +341,7 @@ def _end_child(proc, conn, stderr_path: str | None, tag: str | None = None) -> N
             # someone else's, and then its session is empty: a number is reused only once unreferenced.)
             _kill_session(proc.pid)
         proc.join(5)
-    for pid in _tagged(tag) if tag else ():
+    for pid in tree + (_tagged(tag) if tag else []):
         try:
             os.kill(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
@@ -462,12 +489,12 @@ class ReusedWorker:
         """The lines of the worker's whole stderr that name a cause (a tail misses them under a long stack)."""
         return [ln.rstrip() for ln in self._read_stderr().splitlines() if _CAUSE.search(ln)][-limit:]
 
-    def _kill(self) -> None:
+    def _kill(self, tree: list[int] | None = None) -> None:
         """Ends the child's whole session, whatever the child's state (alive, exited, killed, crashed)."""
         if self._dropped is not None:
             self._dropped.detach()
             self._dropped = None
-        _end_child(self._proc, self._conn, self._stderr_path, self._tag)
+        _end_child(self._proc, self._conn, self._stderr_path, self._tag, tree)
         self._proc = self._conn = self._stderr_path = self._tag = None
 
     def _replace(self) -> None:
@@ -573,13 +600,14 @@ class ReusedWorker:
             _live.discard(self)
             return
         try:
+            tree = _descendants(self._proc.pid) if self.alive else []  # before it leaves: orphans are reparented
             if not self._needs_restart and self.alive:
                 try:  # an idle, healthy child leaves on its own (its atexit handlers run)
                     self._conn.send_bytes(b"")
                     self._proc.join(_CLOSE_EXIT_WAIT_S)
                 except OSError:
                     pass
-            self._kill()
+            self._kill(tree)
         finally:
             self._lock.release()
         _live.discard(self)

@@ -1,4 +1,4 @@
-"""The budgets of a ``cudagraph``-marked test, as a test file: the same five tests and the same report lines
+"""The budgets of a ``cudagraph``-marked test, as a test file: the same six tests and the same report lines
 on the simulated allocator (test_budgets_reload_hazard.py) and on CUDA (test_gpu.py); only ``capture`` and
 ``flush`` differ."""
 
@@ -64,6 +64,15 @@ def test_over_budget_then_released_and_flushed():
     del keep, g, y  # the output too: a live output pins the pool's segment through the flush
     flush()  # the pool's segment is gone by the end: its peak still counts
 
+@pytest.mark.cudagraph(max_pool_bytes=3 << 20)
+def test_pools_one_after_another_count_once():
+    for _ in range(3):  # 2 MiB at a time: the peak is what the pools hold together, not added up over time
+        keep = capture(1, 1)
+        for g, y in keep:
+            g.reset()
+        del keep, g, y
+        flush()
+
 @pytest.mark.cudagraph(max_pool_bytes=2 << 20, max_captures=2, require_replay=True)
 def test_within_budget():
     keep = capture(1, 1)
@@ -73,8 +82,8 @@ def test_within_budget():
 
 
 def check(res) -> None:
-    """Four budgets broken (each fails its test at teardown), one kept."""
-    res.assert_outcomes(passed=5, errors=4)
+    """Four budgets broken (each fails its test at teardown), two kept."""
+    res.assert_outcomes(passed=6, errors=4)
     over = "*pool_over_budget: its graph pools held 2097152 bytes at their peak, over max_pool_bytes=1000*"
     res.stdout.fnmatch_lines(["*too_many_captures: 3 captures, over max_captures=2*",
                               "*never_replayed: 2 graph(s) captured, none replayed*", over, over])

@@ -16,6 +16,7 @@ from pytest_cudagraph.worker import (
     RemoteError,
     ReusedWorker,
     WorkerCrashed,
+    WorkerTimeout,
     crash_frames,
     resolve_start_method,
 )
@@ -165,6 +166,29 @@ def test_a_forked_process_collecting_an_inherited_worker_leaves_the_parents_chil
         with pytest.warns(ResourceWarning):
             gc.collect()
     assert gone(pid)
+
+
+def _fork_daemon() -> int:
+    pid = os.fork()
+    if pid == 0:  # a daemon without an exec: its own session, and no tag in its /proc environ
+        os.setsid()
+        time.sleep(60)
+        os._exit(0)
+    return pid
+
+
+@pytest.mark.parametrize("end", ["close", "timeout"])
+def test_a_daemon_forked_without_exec_is_ended_with_the_worker(end):
+    w = ReusedWorker(start_method="fork", timeout=30 if end == "close" else 2)
+    try:
+        daemon = w.call(_fork_daemon)
+        if end == "timeout":
+            with pytest.raises(WorkerTimeout):
+                w.call(time.sleep, 30)
+            assert gone(daemon), "the daemon outlived the worker killed for its timeout"
+    finally:
+        w.close()
+    assert gone(daemon), "the daemon outlived close()"
 
 
 def test_start_method_rules(monkeypatch):

@@ -194,10 +194,10 @@ class Ledger:
         self.replays_by_scope: dict[str, int] = {}  # replays of the scope's graphs that are gone
         self.unreplayed_by_scope: dict[str, int] = {}  # the scope's graphs that went without one replay
         self.hazards: deque[TeardownHazard] = deque(maxlen=256)
-        # scopes under a pool-bytes budget -> the most bytes each of their pools was seen to hold: an
+        # scopes under a pool-bytes budget -> the most bytes their pools were seen to hold together: an
         # allocator frees a dead pool's segments only at a cache flush, so a read before each flush and one
         # at the end give the peak
-        self.peak_bytes: dict[str, dict[Key, int]] = {}
+        self.peak_bytes: dict[str, int] = {}
         # world -> a function returning a reader of pool bytes by key (None once the world is gone): how a
         # settle() learns which flushed pools the flushes erased
         self.unsettled: dict[Any, Callable[[], Callable[[Key], int] | None]] = {}
@@ -439,22 +439,25 @@ class Ledger:
                 self.unsettled[world] = reader
 
     def settle(self, world: Any = None) -> None:
-        """Decide which flushed pools the flushes erased: one read of the books per world (and device)."""
+        """Decide which flushed pools the flushes erased: one read of the books per world (and device). A read
+        that raises changes nothing: the flags and the reader stay for the next settle."""
         with self.lock:
             for w in [w for w in self.unsettled if world is None or w == world]:
-                read = self.unsettled.pop(w)()
-                for e in list(self.pools.values()):
-                    if e.world != w or not e.flushed:
-                        continue
+                read = self.unsettled[w]()
+                flushed = [e for e in self.pools.values() if e.world == w and e.flushed]
+                erased = [e for e in flushed
+                          if read is not None and e.device_count <= 0 and e.device_alive and read(e.key) == 0]
+                del self.unsettled[w]
+                for e in flushed:
                     e.flushed = False
-                    if read is not None and e.device_count <= 0 and e.device_alive and read(e.key) == 0:
-                        e.device_alive = False
-                        self.restate(e)
+                for e in erased:
+                    e.device_alive = False
+                    self.restate(e)
 
     def watch_pool_bytes(self, scope: str) -> None:
         """Keep the peak bytes of the pools ``scope`` captures into (a budget's test): see :meth:`before_flush`."""
         with self.lock:
-            self.peak_bytes[scope] = {}
+            self.peak_bytes[scope] = 0
 
     def unwatch_pool_bytes(self, scope: str) -> None:
         with self.lock:
@@ -464,16 +467,17 @@ class Ledger:
         """A device cache flush is about to free the segments of dead pools: remember what the watched
         scopes' pools hold first. ``read(key)`` gives a pool's reserved bytes now."""
         with self.lock:
-            for scope, seen in self.peak_bytes.items():
-                for key in self.pools_of_scope(world, scope):
-                    seen[key] = max(seen.get(key, 0), read(key))
+            for scope in self.peak_bytes:
+                held = sum(read(key) for key in self.pools_of_scope(world, scope))
+                self.peak_bytes[scope] = max(self.peak_bytes[scope], held)
 
     def peak_pool_bytes(self, world: Any, scope: str, read: Callable[[Key], int]) -> int:
-        """The bytes ``scope``'s pools held at their peak: the larger of what they hold now and what they held
-        before each flush since :meth:`watch_pool_bytes` (without a watch, what they hold now)."""
+        """The most bytes ``scope``'s pools held together: the larger of what they hold now and what they held
+        before each flush since :meth:`watch_pool_bytes` (without a watch, what they hold now). Pools used one
+        after another count once each, not added up."""
         with self.lock:
-            seen = self.peak_bytes.get(scope, {})
-            return sum(max(seen.get(key, 0), read(key)) for key in self.pools_of_scope(world, scope))
+            held = sum(read(key) for key in self.pools_of_scope(world, scope))
+            return max(self.peak_bytes.get(scope, 0), held)
 
     def host_flushed(self, world: Any) -> None:
         """The host allocator's flush erases its graph pools at use count 0 (captures hold no host block)."""
