@@ -48,7 +48,7 @@ def _check_budgets(nodeid: str, world: Any, backend: Any, limits: dict[str, Any]
     captures = ledger.captures_in(nodeid)
     if not captures:
         return out  # its graphs live in workers (engine_sequence judges those per engine)
-    pool_bytes = ledger.peak_pool_bytes(world, nodeid, lambda k: backend.pool_state(k[2], k[1]).reserved_bytes)
+    pool_bytes = ledger.peak_pool_bytes(world, nodeid, backend.pool_bytes_reader())
     replays, _ = ledger.replays_in(nodeid)
     if limits.get("max_pool_bytes") is not None and pool_bytes > limits["max_pool_bytes"]:
         out.append(f"pool_over_budget: its graph pools held {pool_bytes} bytes at their peak, over "

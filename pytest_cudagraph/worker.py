@@ -214,45 +214,38 @@ def dumps_call(fn, args: tuple, kwargs: dict) -> bytes:
         ) from None
 
 
-def _session_members(sid: int) -> list[int]:
-    """Pids of session ``sid`` that left its process group (Linux /proc; empty elsewhere)."""
-    pids = []
+def _processes() -> dict[int, tuple[int, int, int]]:
+    """Every process as pid -> (parent pid, process group, session) (Linux /proc; empty elsewhere)."""
+    table: dict[int, tuple[int, int, int]] = {}
     try:
         entries = os.listdir("/proc")
     except OSError:
-        return pids
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue  # gone meanwhile
-        if int(fields[3]) == sid and int(fields[2]) != sid:  # fields: state, ppid, pgrp, session
-            pids.append(int(entry))
-    return pids
-
-
-def _descendants(root: int) -> list[int]:
-    """Pids descended from ``root`` (Linux /proc; empty elsewhere): what a live child forked, also what left
-    its session without an exec (which carries no tag). Read before the kill: orphans are reparented."""
-    parents: dict[int, int] = {}
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return []
+        return table
     for entry in entries:
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/stat") as f:
-                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
+                    _, ppid, pgrp, sid = f.read().rsplit(")", 1)[1].split()[:4]  # state, ppid, pgrp, session
+                table[int(entry)] = (int(ppid), int(pgrp), int(sid))
+            except (OSError, ValueError, IndexError):
                 continue  # gone meanwhile
+    return table
+
+
+def _session_members(sid: int) -> list[int]:
+    """Pids of session ``sid`` that left its process group."""
+    return [pid for pid, (_, pgrp, s) in _processes().items() if s == sid and pgrp != sid]
+
+
+def _descendants(root: int) -> list[int]:
+    """Pids descended from ``root``: what a live child forked, also what left its session without an exec
+    (which carries no tag). Read before the kill: orphans are reparented."""
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _, _) in _processes().items():
+        children.setdefault(ppid, []).append(pid)
     found, todo = [], [root]
     while todo:
-        parent = todo.pop()
-        kids = [pid for pid, ppid in parents.items() if ppid == parent]
+        kids = children.get(todo.pop(), [])
         found += kids
         todo += kids
     return found

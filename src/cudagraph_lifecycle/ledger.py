@@ -198,9 +198,9 @@ class Ledger:
         # allocator frees a dead pool's segments only at a cache flush, so a read before each flush and one
         # at the end give the peak
         self.peak_bytes: dict[str, int] = {}
-        # world -> a function returning a reader of pool bytes by key (None once the world is gone): how a
-        # settle() learns which flushed pools the flushes erased
-        self.unsettled: dict[Any, Callable[[], Callable[[Key], int] | None]] = {}
+        # world -> a function returning a reader of pool bytes, read(device, pool_id) (None once the world is
+        # gone): how a settle() learns which flushed pools the flushes erased
+        self.unsettled: dict[Any, Callable[[], Callable[[int, PoolId], int] | None]] = {}
         self.generation = 0
         self.pending: deque = deque()  # (callable, args) queued by weak-reference callbacks
         self.pending_keys: set[Key] = set()  # the pools those events touch: a capture drains only for its own
@@ -423,7 +423,7 @@ class Ledger:
                 e.released_at = where
             self.restate(e)
 
-    def device_flushed(self, world: Any, reader: Callable[[], Callable[[Key], int] | None]) -> None:
+    def device_flushed(self, world: Any, reader: Callable[[], Callable[[int, PoolId], int] | None]) -> None:
         """``empty_cache`` ran: a pool at use count 0 whose segments were all free is erased. Which ones is
         decided at the next :meth:`settle` (a query, or a capture into one of them), not here: torch.cuda.graph
         flushes at every capture, and reading the allocator's books costs ~300 us on CUDA. Deferring is exact:
@@ -446,7 +446,8 @@ class Ledger:
                 read = self.unsettled[w]()
                 flushed = [e for e in self.pools.values() if e.world == w and e.flushed]
                 erased = [e for e in flushed
-                          if read is not None and e.device_count <= 0 and e.device_alive and read(e.key) == 0]
+                          if read is not None and e.device_count <= 0 and e.device_alive
+                          and read(e.device, e.pool_id) == 0]
                 del self.unsettled[w]
                 for e in flushed:
                     e.flushed = False
@@ -463,20 +464,20 @@ class Ledger:
         with self.lock:
             self.peak_bytes.pop(scope, None)
 
-    def before_flush(self, world: Any, read: Callable[[Key], int]) -> None:
+    def before_flush(self, world: Any, read: Callable[[int, PoolId], int]) -> None:
         """A device cache flush is about to free the segments of dead pools: remember what the watched
-        scopes' pools hold first. ``read(key)`` gives a pool's reserved bytes now."""
+        scopes' pools hold first. ``read(device, pool_id)`` gives a pool's reserved bytes now."""
         with self.lock:
             for scope in self.peak_bytes:
-                held = sum(read(key) for key in self.pools_of_scope(world, scope))
+                held = sum(read(d, p) for _, d, p in self.pools_of_scope(world, scope))
                 self.peak_bytes[scope] = max(self.peak_bytes[scope], held)
 
-    def peak_pool_bytes(self, world: Any, scope: str, read: Callable[[Key], int]) -> int:
+    def peak_pool_bytes(self, world: Any, scope: str, read: Callable[[int, PoolId], int]) -> int:
         """The most bytes ``scope``'s pools held together: the larger of what they hold now and what they held
         before each flush since :meth:`watch_pool_bytes` (without a watch, what they hold now). Pools used one
         after another count once each, not added up."""
         with self.lock:
-            held = sum(read(key) for key in self.pools_of_scope(world, scope))
+            held = sum(read(d, p) for _, d, p in self.pools_of_scope(world, scope))
             return max(self.peak_bytes.get(scope, 0), held)
 
     def host_flushed(self, world: Any) -> None:

@@ -231,7 +231,7 @@ def flush(parse, hooks: Hooks, original, host: bool):
     def wrapper(*args, **kwargs):
         be = parse(args, kwargs)
         if be is not None and not host and led.peak_bytes:  # a budget's test: read its pools before they go
-            led.before_flush(be.world, _bytes_reader(be))
+            led.before_flush(be.world, be.pool_bytes_reader())
         out = original(*args, **kwargs)
         if be is not None:
             if host:
@@ -243,23 +243,9 @@ def flush(parse, hooks: Hooks, original, host: bool):
     return wrapper
 
 
-def _reader_of(ref: weakref.ref) -> Callable[[tuple], int] | None:
+def _reader_of(ref: weakref.ref) -> Callable[[int, tuple], int] | None:
     be = ref()
-    return None if be is None else _bytes_reader(be)
-
-
-def _bytes_reader(be: Backend) -> Callable[[tuple], int]:
-    """A pool's reserved bytes by ledger key, reading the allocator's books once per device: torch.cuda.graph
-    flushes the cache at every capture, and a snapshot costs ~300 us on CUDA."""
-    books: dict[int, dict] = {}
-
-    def read(key: tuple) -> int:
-        device = key[1]
-        if device not in books:
-            books[device] = be.pool_bytes(device)
-        return books[device].get(key[2], 0)
-
-    return read
+    return None if be is None else be.pool_bytes_reader()
 
 
 def pool_reference(parse, hooks: Hooks, original):
