@@ -16,7 +16,7 @@ import socket
 import sys
 from typing import Any
 
-from .worker import ReusedWorker, dumps_call, freeze_startup_heap
+from .worker import ReusedWorker, attribute_to, dumps_call, freeze_startup_heap
 
 # Open MPI refuses root and more ranks than cores unless told: CI machines and containers are both.
 MPI_ENV = {
@@ -55,7 +55,8 @@ def _on_rank(payload: bytes) -> bytes:
     comm.Barrier()  # every rank takes exactly one task of the batch
     rank = comm.Get_rank()
     try:
-        fn, args, kwargs = cloudpickle.loads(payload)
+        fn, args, kwargs, test = cloudpickle.loads(payload)
+        attribute_to(test)
         freeze_startup_heap()  # as in a reused worker: once, before the first user code on this rank
         return cloudpickle.dumps((rank, os.getpid(), "ok", fn(*args, **kwargs)))
     except BaseException as e:

@@ -8,6 +8,7 @@ whose tests use none of it pays nothing.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
@@ -161,6 +162,19 @@ def pytest_report_collectionfinish(config: pytest.Config, start_path, items) -> 
 
 
 @pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem):
+    """Every capture made while a test runs (setup, call, teardown) is attributed to it in the ledger, so a
+    sanitizer finding names its test. Imports no torch: the ledger is plain Python."""
+    from cudagraph_lifecycle.ledger import ledger
+
+    ledger.test = item.nodeid
+    try:
+        yield
+    finally:
+        ledger.test = None
+
+
+@pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call):
     outcome = yield
     rep = outcome.get_result()
@@ -185,7 +199,8 @@ def _snapshot_in_process(item: pytest.Item, rep: pytest.TestReport) -> None:
 
 
 class _XdistReports:
-    """Collects reports that xdist workers send to the controller (cycles travel in user_properties)."""
+    """Collects reports that xdist workers send to the controller (cycles travel in user_properties; the
+    session-wide sanitizer's findings in the worker's output when it ends)."""
 
     def __init__(self, config: pytest.Config):
         self.config = config
@@ -193,6 +208,11 @@ class _XdistReports:
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if getattr(report, "node", None) is not None:  # a report from an xdist worker
             reporting.record(self.config.stash[STATE_KEY], report)
+
+    def pytest_testnodedown(self, node, error) -> None:
+        found = getattr(node, "workeroutput", {}).get(reporting.SESSION_FINDINGS)
+        if found:
+            reporting.add_session_findings(self.config.stash[STATE_KEY], json.loads(found))
 
 
 @pytest.hookimpl(trylast=True)
@@ -202,14 +222,30 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         config.pluginmanager.register(_XdistReports(config), "cudagraph-xdist-reports")
 
 
+def _session_findings() -> list[dict]:
+    """What a program-wide sanitizer (``CUDAGRAPH_SANITIZE=1 pytest ...``) found over the session; none
+    without one (and no torch import: it is installed only where torch is)."""
+    env = sys.modules.get("cudagraph_lifecycle.sanitizer.env")
+    san = env.global_sanitizer() if env is not None else None
+    return [f.as_dict() for f in san.findings()] if san is not None else []
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """The JSON report, written here (not from the terminal summary, which ``-p no:terminal`` removes)."""
+    """The session-wide sanitizer's findings (an xdist worker hands them to the controller), then the JSON
+    report, written here (not from the terminal summary, which ``-p no:terminal`` removes)."""
     config = session.config
     s = config.stash.get(SETTINGS_KEY, None)
-    if s is None or hasattr(config, "workerinput") or not s["report"]:
+    if s is None:
         return
-    reporting.write(s["report"], s, config.stash[STATE_KEY], exitstatus)
+    found = _session_findings()
+    if hasattr(config, "workerinput"):
+        if found:
+            config.workeroutput[reporting.SESSION_FINDINGS] = json.dumps(found)
+        return
+    reporting.add_session_findings(config.stash[STATE_KEY], found)
+    if s["report"]:
+        reporting.write(s["report"], s, config.stash[STATE_KEY], exitstatus)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

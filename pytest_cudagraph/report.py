@@ -20,11 +20,29 @@ CYCLES = "cudagraph_cycles"  # user property: the test's engine cycles, as JSON
 FINDINGS = "cudagraph_findings"  # user property: the in-process sanitizer's findings
 STRICT_FAILURE = "cudagraph_strict_failure"  # user property: strict findings failed the test
 SNAPSHOT = "cudagraph_snapshot"  # user property: a memory snapshot's path
+SESSION_FINDINGS = "cudagraph_session_findings"  # an xdist worker's output: its session-wide sanitizer's findings
 VERDICTS = ("fresh", "held", "leaked", "stale", "reused", "error")
 
 
 def new_state() -> dict[str, Any]:
-    return {"tests": {}, "started": time.time()}
+    return {"tests": {}, "started": time.time(), "session_findings": []}
+
+
+def add_session_findings(state: dict, found: list[dict]) -> None:
+    """A program-wide sanitizer's findings at the session's end, less those a test already reported (the
+    test's own sanitizer, or an engine cycle, saw the same pool)."""
+    seen = {(f["kind"], tuple(f["pool_id"]), f["device"]) for _, f in findings(state, session=False)}
+    state["session_findings"] += [f for f in found if (f["kind"], tuple(f["pool_id"]), f["device"]) not in seen]
+
+
+def findings(state: dict, session: bool = True) -> list[tuple[str, dict]]:
+    """Every sanitizer finding as (the test it belongs to, the finding): a test's own, its engine cycles',
+    and (``session``) the program-wide sanitizer's, each under the first test that captured into its pool."""
+    out = [(t["nodeid"], f) for t in state["tests"].values() for f in t.get("sanitizer") or []]
+    out += [(nodeid, f) for nodeid, c in rows(state) for f in c.get("sanitizer") or []]
+    if session:
+        out += [((f.get("tests") or ["(outside any test)"])[0], f) for f in state.get("session_findings", [])]
+    return out
 
 
 def record(state: dict, rep: pytest.TestReport) -> None:
@@ -59,6 +77,7 @@ def totals(state: dict) -> dict[str, int]:
     for v in VERDICTS:
         out[v] = sum(1 for _, c in cycles if c.get("verdict") == v)
     out["failed_cycles"] = sum(1 for _, c in cycles if c.get("failed"))
+    out["sanitizer_findings"] = len(findings(state))
     out["lifecycle_failures"] = sum(
         1 for t in state["tests"].values()
         if t["outcome"] in ("failed", "error") and (any(c.get("failed") for c in t["cycles"]) or t.get("strict_failure")))
@@ -86,6 +105,7 @@ def write(path: str, s: dict, state: dict, exitstatus: int) -> None:
             "exitstatus": int(exitstatus),
         },
         "tests": list(state["tests"].values()),
+        "sanitizer": state.get("session_findings", []),
         "totals": totals(state),
     }
     png = timeline_png(rows(state), path)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .report import VERDICTS, rows, totals
+from .report import VERDICTS, findings, rows, totals
 
 
 def _who(c: dict) -> str:
@@ -45,18 +45,24 @@ def lifecycle_section(tr: Any, state: dict, backend: str | None) -> None:
 
 
 def findings_section(tr: Any, state: dict) -> None:
-    """The sanitizer's findings, in the test process and in the workers' engine cycles (``on`` reports them
-    here and in the JSON; ``strict`` also fails the test)."""
-    found = [(t["nodeid"], f) for t in state["tests"].values() for f in t.get("sanitizer") or []]
-    found += [(nodeid, f) for nodeid, c in rows(state) for f in c.get("sanitizer") or []]
+    """The sanitizer's findings: a cudagraph-marked test's own, the workers' engine cycles', and a
+    program-wide sanitizer's (``CUDAGRAPH_SANITIZE=1``) at the session's end, each under its test, with
+    where its pool was captured and what pins it (``on`` reports them here and in the JSON; ``strict`` also
+    fails the test)."""
+    found = findings(state)
     if not found:
         return
     tr.section("cudagraph sanitizer")
     for nodeid, f in found:
-        made = f" (made by {f['engine']})" if f.get("engine") and f["engine"] != nodeid else ""
+        made = f" (made by {f['engine']})" if f.get("engine") and not f["engine"].startswith(nodeid) else ""
         tr.write_line(f"{nodeid}: {f['kind']}: pool {tuple(f['pool_id'])} on device {f['device']}, "
-                      f"{f['bytes']} bytes{made}: {f['message']}")
+                      f"{_mib(f['bytes'])}{made}")
+        tr.write_line(f"    {f['message']}")
+        for site in f.get("sites") or []:
+            tr.write_line(f"    captured at {site}")
+        for other in (f.get("tests") or [])[1:]:
+            tr.write_line(f"    also captured into by {other}")
         for stack in f.get("stacks") or []:
             for line in stack.rstrip().splitlines()[-4:]:  # the innermost frames; the JSON keeps the whole stack
-                tr.write_line(f"    {line}")
+                tr.write_line(f"      {line}")
     tr.write_line(f"{len(found)} sanitizer finding(s)")

@@ -164,7 +164,8 @@ def _child_main(conn, stderr_path: str, sys_path: list[str], env: dict[str, str]
         if not payload:
             return
         try:
-            fn, args, kwargs = _cloudpickle().loads(payload)
+            fn, args, kwargs, test = _cloudpickle().loads(payload)
+            attribute_to(test)
             freeze_startup_heap()
             value = fn(*args, **kwargs)
             try:
@@ -200,10 +201,26 @@ def freeze_startup_heap() -> None:
     _heap_frozen = True
 
 
+def current_test() -> str | None:
+    """The test pytest is running in this process (``PYTEST_CURRENT_TEST`` without its phase), or None."""
+    now = os.environ.get("PYTEST_CURRENT_TEST")
+    return now.rsplit(" (", 1)[0] if now else None
+
+
+def attribute_to(test: str | None) -> None:
+    """In a worker or a rank: the captures of this call belong to ``test`` (the ledger keeps which test
+    captured into each pool, so a finding names it)."""
+    if test is not None:
+        from cudagraph_lifecycle.ledger import ledger
+
+        ledger.test = test
+
+
 def dumps_call(fn, args: tuple, kwargs: dict) -> bytes:
-    """``(fn, args, kwargs)`` pickled for a worker or a rank; :class:`UnpicklableCallableError` says why not."""
+    """``(fn, args, kwargs)`` pickled for a worker or a rank, with the test running now;
+    :class:`UnpicklableCallableError` says why not."""
     try:
-        return _cloudpickle().dumps((fn, args, kwargs))
+        return _cloudpickle().dumps((fn, args, kwargs, current_test()))
     except Exception as e:
         name = getattr(fn, "__qualname__", repr(fn))
         raise UnpicklableCallableError(

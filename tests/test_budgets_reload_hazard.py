@@ -112,7 +112,8 @@ def test_expandable_teardown_runs_on_as_measured_and_is_reported_by_on_refused_b
     del y
     finding = san.findings()
     assert [f.kind for f in finding] == ["expandable_teardown"] and finding[0].bytes == 16384
-    assert "peers report" in finding[0].message
+    assert "can crash the process" in finding[0].message
+    assert finding[0].sites and "test_budgets_reload_hazard.py" in finding[0].sites[0]
     san.stop()
 
     be, g, y, san = _expandable("strict")

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from cudagraph_lifecycle.conformance import SCENARIOS, run_isolated, run_scenario
+from cudagraph_lifecycle.conformance import SCENARIOS, run_isolated, run_one, run_scenario
 
 BACKEND = os.environ.get("CUDAGRAPH_CONFORMANCE_BACKEND", "sim")
 
@@ -21,7 +21,7 @@ def test_table_has_at_least_30_scenarios():
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=[f"conformance-{s.name}" for s in SCENARIOS])
 def test_conformance(scenario):
     if BACKEND == "sim":
-        got = run_scenario(scenario.name, "sim")
+        got = run_one(scenario.name, "sim")
     else:
         pytest.importorskip("torch").cuda.is_available() or pytest.skip("no GPU")
         got = run_isolated(scenario.name, BACKEND)

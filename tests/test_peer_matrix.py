@@ -90,4 +90,7 @@ def test_verdicts(request, pytestconfig, style, mode, sanitize):
         if r["verdict"] == "held":
             assert r["held_bytes"] > 0 and r["leaked_bytes"] == 0
         if r["verdict"] == "leaked":
-            assert r["leaked_bytes"] > 0 and "autograd history" in r["problems"][0]["message"]
+            # what pins it is named: the autograd graph of the copy the caller keeps
+            pins = r["problems"][0]["pins"]
+            assert r["leaked_bytes"] > 0 and pins[0]["cause"] == "autograd_history", r["problems"][0]
+            assert "the copy of its output the caller keeps" in pins[0]["holder"]

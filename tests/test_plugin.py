@@ -76,7 +76,8 @@ def test_engine_sequence_summary_and_report(pytester):
     res.stdout.fnmatch_lines(["*cudagraph lifecycle*", "*test_seq*held", "3 engine cycles: 0 fresh, 3 held; 0 failed*"])
     data = json.loads(report.read_text())
     assert data["totals"] == {"tests": 1, "cycles": 3, "fresh": 0, "held": 3, "leaked": 0, "stale": 0, "reused": 0,
-                              "error": 0, "failed_cycles": 0, "lifecycle_failures": 0}
+                              "error": 0, "failed_cycles": 0, "lifecycle_failures": 0,
+                              "sanitizer_findings": 0}
     (t,) = data["tests"]
     assert t["outcome"] == "passed" and len(t["cycles"]) == 3
     assert len({c["pid"] for c in t["cycles"]}) == 1 and data["meta"]["effective_backend"] == "sim"
@@ -305,8 +306,9 @@ def test_sanitizer_findings_in_report_and_strict(pytester):
     (t,) = json.loads(report.read_text())["tests"]
     assert t["sanitizer"][0]["kind"] == "unreleased_graph"
     res.stdout.fnmatch_lines(["*= cudagraph sanitizer =*",
-                              "test_a.py::test_leaves_a_graph: unreleased_graph: pool (*) on device 0*never reset",
-                              "*test_a.py*in test_leaves_a_graph*", "1 sanitizer finding(s)"])
+                              "test_a.py::test_leaves_a_graph: unreleased_graph: pool (*) on device 0*",
+                              "*at *test_a.py:9 in test_leaves_a_graph was never reset",
+                              "    captured at *test_a.py:9 in test_leaves_a_graph", "1 sanitizer finding(s)"])
     res = run(pytester, "--cudagraph-sanitize=strict")
     res.assert_outcomes(passed=1, errors=1)
     res.stdout.fnmatch_lines(["*pool sanitizer findings*", "*unreleased_graph*"])

@@ -13,6 +13,7 @@ import argparse
 import functools
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -30,6 +31,8 @@ N = 64 * 64  # a 16 KiB float32 tensor: one small block
 def classify(e: BaseException) -> str:
     """Map an allocator or capture error to a short name that both backends share."""
     msg = str(e)
+    if "cudaMalloc_count > 0" in msg:
+        return "pool-count-assert"
     if "use_count > 0" in msg:
         return "assert"
     if "Offset increment outside graph capture" in msg:
@@ -596,11 +599,107 @@ def s_lazy_pool_fresh_after_retire(c: Ctx) -> str:
     return f"new_id={p1 != p2} capture={attempt(lambda: c.step(c.be.new_graph(), p2))}"
 
 
+# Under expandable_segments:True (each scenario in a fresh process with PYTORCH_CUDA_ALLOC_CONF set; the
+# rules in backends/sim_expandable.py; the search on the H200 in scripts/probe_expandable.py).
+EXPANDABLE = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+
+
+def _carve(c: Ctx, temp: int, n: int, size: int) -> tuple:
+    """A capture that frees a ``temp``-byte temporary, then allocates ``n`` blocks of ``size`` bytes; every
+    other block is kept, the rest dropped. Returns (pool, graph, kept)."""
+    h, g = c.be.graph_pool_handle(), c.be.new_graph()
+
+    def body():
+        if temp:
+            t = c.be.empty(temp // 4)
+            del t
+        return [c.be.empty(size // 4) for _ in range(n)]
+
+    xs = c.capture(g, h, body)
+    return h, g, xs[0::2]
+
+
+def s_expandable_kept_blocks_freed_after_flush(c: Ctx) -> str:
+    # one expansion mapped the temporary's pages; the flush unmaps as many runs of free pages as there were
+    # expansions, erases the pool under its live blocks, and freeing them is a use after free
+    _, g, kept = _carve(c, 100 * MiB, 20, 2 * MiB)
+    g.reset()
+    c.be.empty_cache()
+    del kept
+    c.be.empty(4)
+    c.be.synchronize()
+    return "survived"
+
+
+def s_expandable_kept_blocks_freed_before_flush(c: Ctx) -> str:
+    _, g, kept = _carve(c, 100 * MiB, 20, 2 * MiB)
+    g.reset()
+    del kept  # the safe order: the blocks go before the flush
+    first = attempt(c.be.empty_cache)
+    c.be.empty(4)
+    return f"empty_cache: {first}, then: {attempt(c.be.empty_cache)}"
+
+
+def s_expandable_flush_unmaps_more_runs_than_expansions(c: Ctx) -> str:
+    _, g, kept = _carve(c, 200 * MiB, 10, 20 * MiB)
+    g.reset()
+    return f"empty_cache: {attempt(c.be.empty_cache)}"
+
+
+def _second_flush(c: Ctx, temp: int, small: bool) -> str:
+    h, g = c.be.graph_pool_handle(), c.be.new_graph()
+
+    def body():
+        if temp:
+            t = c.be.empty(temp // 4)
+            del t
+        xs = [c.be.empty(2 * MiB // 4) for _ in range(20)]
+        return xs[0::2] + ([c.be.empty(1024)] if small else [])
+
+    kept = c.capture(g, h, body)
+    g.reset()
+    first = attempt(c.be.empty_cache)
+    del kept
+    return f"first: {first}, after the blocks went: {attempt(c.be.empty_cache)}"
+
+
+def s_expandable_no_temporary_survives(c: Ctx) -> str:
+    # two expansions for twenty 2 MiB blocks: the kept ones leave no run of free pages, the count stays up
+    return _second_flush(c, 0, small=False)
+
+
+def s_expandable_second_flush_asserts(c: Ctx) -> str:
+    # a kept small block keeps the first flush from erasing the pool; once everything is free, the second
+    # flush unmaps the small run and then the large one with the count already at 0
+    return _second_flush(c, 100 * MiB, small=True)
+
+
+def _recapture_after_full_release(c: Ctx, n: int, size: int) -> str:
+    h, g = c.be.graph_pool_handle(), c.be.new_graph()
+    xs = c.capture(g, h, lambda: [c.be.empty(size // 4) for _ in range(n)])
+    g.reset()
+    del xs
+    c.be.synchronize()
+    c.be.empty_cache()
+    c.be.host_empty_cache()
+    return f"reserved={mib(c.reserved(h))} recapture={attempt(lambda: c.step(c.be.new_graph(), h))}"
+
+
+def s_expandable_zombie_pool_asserts_on_recapture(c: Ctx) -> str:
+    # two expansions, one run unmapped: the count stays at 1, so the pool is kept with no segment at all
+    return _recapture_after_full_release(c, 20, 2 * MiB)
+
+
+def s_expandable_erased_pool_recaptures(c: Ctx) -> str:
+    return _recapture_after_full_release(c, 1, 10 * MiB)
+
+
 @dataclass(frozen=True)
 class Scenario:
     name: str
     fn: Callable[[Ctx], str]
     expected: str
+    env: dict[str, str] | None = None  # run in a fresh process with these set, on every backend
 
 
 SCENARIOS: list[Scenario] = [
@@ -658,6 +757,20 @@ SCENARIOS: list[Scenario] = [
     Scenario("runner_release_clean", s_runner_release_clean, "equal=True clean=True"),
     Scenario("runner_kept_output_pins", s_runner_kept_output_pins, "pinned=2MiB after-drop=0MiB"),
     Scenario("lazy_pool_fresh_after_retire", s_lazy_pool_fresh_after_retire, "new_id=True capture=ok"),
+    Scenario("expandable_kept_blocks_freed_after_flush", s_expandable_kept_blocks_freed_after_flush,
+             "crashed: SIGSEGV", EXPANDABLE),
+    Scenario("expandable_kept_blocks_freed_before_flush", s_expandable_kept_blocks_freed_before_flush,
+             "empty_cache: ok, then: ok", EXPANDABLE),
+    Scenario("expandable_flush_unmaps_more_runs_than_expansions", s_expandable_flush_unmaps_more_runs_than_expansions,
+             "empty_cache: pool-count-assert", EXPANDABLE),
+    Scenario("expandable_no_temporary_survives", s_expandable_no_temporary_survives,
+             "first: ok, after the blocks went: ok", EXPANDABLE),
+    Scenario("expandable_second_flush_asserts", s_expandable_second_flush_asserts,
+             "first: ok, after the blocks went: pool-count-assert", EXPANDABLE),
+    Scenario("expandable_zombie_pool_asserts_on_recapture", s_expandable_zombie_pool_asserts_on_recapture,
+             "reserved=0MiB recapture=assert", EXPANDABLE),
+    Scenario("expandable_erased_pool_recaptures", s_expandable_erased_pool_recaptures,
+             "reserved=0MiB recapture=ok", EXPANDABLE),
 ]
 BY_NAME = {s.name: s for s in SCENARIOS}
 
@@ -673,19 +786,34 @@ def run_scenario(name: str, backend: str | Backend = "sim") -> str:
 
 
 def run_isolated(name: str, backend: str, timeout: float = 120.0) -> str:
-    """Run one scenario in a fresh Python process (needed on CUDA: the assert poisons the process)."""
+    """Run one scenario in a fresh Python process (needed on CUDA: the assert poisons the process; and for a
+    scenario with its own environment, on every backend). A process killed by a signal is ``crashed: NAME``."""
     code = (
         "import sys; from cudagraph_lifecycle.conformance import run_scenario; "
-        f"sys.stdout.write('@@' + run_scenario({name!r}, {backend!r}))"
+        f"sys.stdout.write('@@' + run_scenario({name!r}, {backend!r})); sys.stdout.flush()"
     )
+    env = {**os.environ, **(BY_NAME[name].env or {})}
     try:
-        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
         return f"timeout after {timeout:g}s"
-    if "@@" not in p.stdout:
-        tail = (p.stderr.strip().splitlines() or ["(no stderr)"])[-1]
-        return f"crashed rc={p.returncode}: {tail[:160]}"
-    return p.stdout.split("@@", 1)[1].strip()
+    if "@@" in p.stdout:
+        return p.stdout.split("@@", 1)[1].strip()
+    if p.returncode < 0:
+        try:
+            return f"crashed: {signal.Signals(-p.returncode).name}"
+        except ValueError:
+            return f"crashed: signal {-p.returncode}"
+    tail = (p.stderr.strip().splitlines() or ["(no stderr)"])[-1]
+    return f"crashed rc={p.returncode}: {tail[:160]}"
+
+
+def run_one(name: str, backend: str) -> str:
+    """A scenario as the table runs it: in a fresh process where it sets its own environment (a crash must
+    not take this process with it), else in this process on an isolated world."""
+    if BY_NAME[name].env:
+        return run_isolated(name, backend)
+    return run_scenario(name, backend)
 
 
 def run_table(backend: str = "sim", isolate: bool | None = None, jobs: int = 4) -> list[dict]:
@@ -697,7 +825,7 @@ def run_table(backend: str = "sim", isolate: bool | None = None, jobs: int = 4) 
         with ThreadPoolExecutor(jobs) as ex:
             outcomes = list(ex.map(lambda s: run_isolated(s.name, backend), SCENARIOS))
     else:
-        outcomes = [run_scenario(s.name, backend) for s in SCENARIOS]
+        outcomes = [run_one(s.name, backend) for s in SCENARIOS]
     for sc, got in zip(SCENARIOS, outcomes):
         rows.append({"scenario": sc.name, "expected": sc.expected, "outcome": got, "match": got == sc.expected})
     return rows

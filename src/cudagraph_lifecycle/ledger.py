@@ -1,7 +1,7 @@
 """The process's one record of graph-pool lifecycles, fed by watching the graph API (``observe``).
 
 For every pool a graph captured into, per allocator world: where its id was minted, which graphs captured
-into it (from which stack, in which engine scope), the device and host use counts the allocator keeps,
+into it (from which stack, in which engine scope and which test), the device and host use counts the allocator keeps,
 where its last graph was released, whether each allocator has erased it, and which engine scopes captured
 into it over the process's life. The pool handle, the runner, the engine-cycle verdicts, the sanitizer's
 findings and the report all read this one ledger; nothing else keeps pool sets. A forked child starts
@@ -34,6 +34,7 @@ PoolId = tuple[int, int]
 Key = tuple[Any, int, PoolId]  # (allocator world, device, pool id)
 
 STACK_DEPTH = 12  # frames kept per stack
+SITES = 4  # capture stacks kept per pool (its first captures): where a finding says the pool came from
 _REMEMBERED = 4096  # erased pools and unused mints remembered, oldest forgotten first
 
 
@@ -84,6 +85,46 @@ class Stack:
     def __contains__(self, item: str) -> bool:
         return item in str(self)
 
+    def site(self) -> str:
+        """``file:line in function`` of the innermost frame of the user's code: not this package's, not
+        torch's, not the standard library's (``torch.cuda.graph``'s ``__enter__`` is not where a user
+        captured). The innermost frame that is not this package's where no frame is the user's."""
+        fr = self._frames
+        frames = [(code, lasti) for code, lasti in zip(fr[0::2], fr[1::2])
+                  if not any(own in code.co_filename.replace(os.sep, "/") for own in _OWN_FRAMES)]
+        libraries = _library_dirs()
+        user = [f for f in frames if not f[0].co_filename.startswith(libraries)
+                and _PACKAGE not in f[0].co_filename.replace(os.sep, "/")]
+        if not (user or frames):
+            return ""
+        code, lasti = (user or frames)[0]
+        return f"{code.co_filename}:{_line_of(code, lasti)} in {code.co_name}"
+
+
+_PACKAGE = "/cudagraph_lifecycle/"  # the runner's and the pool's frames are not where a user captured
+
+
+def _library_dirs() -> tuple[str, ...]:
+    """Where torch and the standard library live: frames there are the library's, not the user's. Read when
+    a site is shown (never at capture), from modules already imported."""
+    import sysconfig
+
+    dirs = [sysconfig.get_paths()["stdlib"] + os.sep]
+    torch = sys.modules.get("torch")
+    if torch is not None and getattr(torch, "__file__", None):
+        dirs.append(os.path.dirname(torch.__file__) + os.sep)
+    return tuple(dirs)
+
+
+def sites_of(stacks: list[list]) -> list[str]:
+    """The distinct user sites of some capture stacks (as :class:`Stack` keeps them), first seen first."""
+    out: list[str] = []
+    for frames in stacks:
+        site = Stack(frames).site()
+        if site and site not in out:
+            out.append(site)
+    return out
+
 
 @dataclass(slots=True, eq=False)
 class GraphEntry:
@@ -93,6 +134,7 @@ class GraphEntry:
     device: int
     frames: list  # where it was captured, as Stack keeps them
     scope: str | None  # the engine scope it was captured in
+    test: str | None  # the test running when it was captured (the pytest plugin says which)
     generation: int  # the ledger's generation: entries from before a fork are not this process's
     seq: int  # ledger sequence number of the capture
     captured: bool = False  # capture_end succeeded: reset() gives the references back
@@ -104,6 +146,10 @@ class GraphEntry:
     @property
     def captured_at(self) -> Stack:
         return Stack(self.frames)
+
+    @property
+    def site(self) -> str:
+        return self.captured_at.site()
 
 
 @dataclass(slots=True, eq=False)
@@ -120,6 +166,8 @@ class PoolEntry:
     graphs: dict[int, GraphEntry] = field(default_factory=dict)  # its graphs still alive
     released_at: Stack | str | None = None
     scopes: list[str] = field(default_factory=list)  # engine scopes that captured into it, first first
+    tests: list[str] = field(default_factory=list)  # tests that captured into it, first first
+    sites: list[list] = field(default_factory=list)  # the stacks of its first SITES captures
     last_seq: int = 0  # ledger sequence number of its latest capture
     retired: bool = False  # a LazyPool retired it: never to be captured into again
     flushed: bool = False  # at use count 0 when a cache flush ran: erased or not is read at the next settle()
@@ -149,6 +197,10 @@ class PoolEntry:
     def live_graphs(self) -> list[GraphEntry]:
         return [g for g in list(self.graphs.values()) if g.alive and g.captured]
 
+    def capture_sites(self) -> list[str]:
+        """Where its captures were made: ``file:line in function`` of the user's code, distinct."""
+        return sites_of(self.sites)
+
 
 @dataclass(frozen=True)
 class TeardownHazard:
@@ -161,6 +213,9 @@ class TeardownHazard:
     live_bytes: int
     stacks: tuple[str, ...]
     reset_at: str
+    test: str | None = None
+    sites: tuple[str, ...] = ()  # where the pool's captures were made
+    reset_site: str = ""  # file:line in function of the user's code that reset the graph
 
 
 @dataclass(frozen=True)
@@ -187,9 +242,11 @@ class Ledger:
         self.graphs: dict[int, GraphEntry] = {}
         self.minted: OrderedDict[tuple[Any, PoolId], Stack] = OrderedDict()
         self.retired: set[Key] = set()
-        self.erased: OrderedDict[Key, tuple[list[str], Any]] = OrderedDict()  # scopes and mint site of erased pools
+        # erased pools: (scopes, mint site, tests, capture stacks), for ``reused`` and for where it came from
+        self.erased: OrderedDict[Key, tuple[list[str], Any, list[str], list[list]]] = OrderedDict()
         self.stale: deque[StaleAttempt] = deque(maxlen=256)
         self.scope: str | None = None
+        self.test: str | None = None  # the test running now, set by the pytest plugin (in workers: per call)
         self.captures_by_scope: dict[str, int] = {}
         self.replays_by_scope: dict[str, int] = {}  # replays of the scope's graphs that are gone
         self.unreplayed_by_scope: dict[str, int] = {}  # the scope's graphs that went without one replay
@@ -219,7 +276,7 @@ class Ledger:
         for counts in (self.captures_by_scope, self.replays_by_scope, self.unreplayed_by_scope, self.hazards,
                        self.peak_bytes, self.unsettled):
             counts.clear()
-        self.scope = None
+        self.scope = self.test = None
         self.generation += 1
 
     def next_seq(self) -> int:
@@ -257,7 +314,7 @@ class Ledger:
             e = self.pools[key] = PoolEntry(world, device, pool_id)
             old = self.erased.pop(key, None)
             if old is not None:  # the allocator created it afresh under an id it had erased
-                e.scopes, e.minted_at = list(old[0]), old[1]
+                e.scopes, e.minted_at, e.tests, e.sites = list(old[0]), old[1], list(old[2]), list(old[3])
             else:
                 e.minted_at = self.minted.pop((world, pool_id), None)
             e.retired = key in self.retired
@@ -272,7 +329,7 @@ class Ledger:
         self.dead.pop(key, None)
         if not (e.device_alive or e.host_alive or e.graphs or e.device_extra):
             del self.pools[key]
-            self.erased[key] = (e.scopes, e.minted_at)
+            self.erased[key] = (e.scopes, e.minted_at, e.tests, e.sites)
             while len(self.erased) > _REMEMBERED:
                 self.erased.popitem(last=False)
 
@@ -323,18 +380,21 @@ class Ledger:
         """A capture started (the allocator took its references, even if the capture later fails)."""
         with self.lock:
             self.seq = seq = next(self._seq)
-            g = GraphEntry(next(self._gids), world, pool, device, frames, self.scope, self.generation, seq)
+            g = GraphEntry(next(self._gids), world, pool, device, frames, self.scope, self.test, self.generation, seq)
             self.graphs[g.gid] = g
             if pool is None:
                 return g
             e = self.pools.get((world, device, pool))
-            if e is None or not (e.device_alive and e.host_alive) or g.scope not in e.scopes:
+            if e is None or not (e.device_alive and e.host_alive) or g.scope not in e.scopes or \
+                    (g.test is not None and g.test not in e.tests):
                 self._count(g)
             else:  # the common case, inline (captures are timed): a live pool taking one more graph stays live
                 e.held += 1
                 e.captures += 1
                 e.graphs[g.gid] = g
                 e.last_seq = seq
+                if len(e.sites) < SITES:
+                    e.sites.append(frames)
                 if g.scope is not None:
                     self.captures_by_scope[g.scope] = self.captures_by_scope.get(g.scope, 0) + 1
                 g.counted = True
@@ -353,6 +413,10 @@ class Ledger:
         e.captures += 1
         e.graphs[g.gid] = g
         e.last_seq = g.seq
+        if len(e.sites) < SITES:
+            e.sites.append(g.frames)
+        if g.test is not None and g.test not in e.tests:
+            e.tests.append(g.test)
         if g.scope is not None:
             self.captures_by_scope[g.scope] = self.captures_by_scope.get(g.scope, 0) + 1
             if g.scope not in e.scopes:
@@ -529,12 +593,22 @@ class Ledger:
             old = self.erased.get(key)
             return list(old[0]) if old else []
 
+    def tests_of(self, world: Any, device: int, pool: PoolId) -> list[str]:
+        """Every test that captured into the pool, also after the allocator erased it."""
+        with self.lock:
+            key = (world, device, tuple(pool))
+            e = self.pools.get(key)
+            if e is not None:
+                return list(e.tests)
+            old = self.erased.get(key)
+            return list(old[2]) if old else []
+
     def pools_of_scope(self, world: Any, scope: str) -> list[Key]:
         """The pools captured into within an engine scope, whether or not the allocator still holds them."""
         with self.lock:
             self.drain()
             keys = [e.key for e in self.pools.values() if e.world == world and scope in e.scopes]
-            keys += [k for k, (scopes, _) in self.erased.items() if k[0] == world and scope in scopes]
+            keys += [k for k, old in self.erased.items() if k[0] == world and scope in old[0]]
             return sorted(set(keys), key=lambda k: (k[1], k[2]))
 
     def captures_in(self, scope: str) -> int:

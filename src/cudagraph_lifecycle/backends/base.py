@@ -7,6 +7,7 @@ allocator's private-pool rules on the CPU). Code above this layer never asks whi
 from __future__ import annotations
 
 import contextlib
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -16,6 +17,15 @@ import torch
 
 PoolId = tuple[int, int]
 MiB = 1 << 20
+
+
+def expandable_from_env(environ: dict[str, str] | None = None) -> bool:
+    """Whether the caching allocator runs with ``expandable_segments:True``, as PyTorch reads it at start:
+    ``PYTORCH_CUDA_ALLOC_CONF`` (or ``PYTORCH_ALLOC_CONF``), comma-separated ``key:value`` pairs."""
+    env = os.environ if environ is None else environ
+    conf = env.get("PYTORCH_CUDA_ALLOC_CONF") or env.get("PYTORCH_ALLOC_CONF") or ""
+    settings = dict(kv.split(":", 1) for kv in conf.replace(" ", "").split(",") if ":" in kv)
+    return settings.get("expandable_segments", "").lower() in ("true", "1")
 
 
 @dataclass(frozen=True)
@@ -83,10 +93,20 @@ class GraphAPI:
 
 @dataclass(frozen=True)
 class Block:
-    """One live block of a private pool: its size, and where it was allocated when that was recorded."""
+    """One live block of a private pool: its size, where it was allocated when that was recorded, and where
+    it lies, ``[address, address + extent)`` in the units of :meth:`Backend.storage_span` (None where
+    unknown; the extent is its size where addresses are bytes)."""
 
     size: int
     stack: str = ""
+    address: int | None = None
+    extent: int | None = None
+
+    @property
+    def span(self) -> tuple[int, int] | None:
+        if self.address is None:
+            return None
+        return self.address, self.address + max(self.size if self.extent is None else self.extent, 1)
 
 
 class Backend(ABC):
@@ -245,6 +265,16 @@ class Backend(ABC):
     def record_history(self, on: bool = True) -> str | None:
         """Record an allocation stack for every block from now on. None when done, else why it cannot be."""
         return "this backend cannot record allocation stacks"
+
+    def storage_span(self, t: torch.Tensor) -> tuple[int, int] | None:
+        """Where a tensor's storage lies, in the units of :attr:`Block.address`; None if it is not on this
+        backend's devices."""
+        return None
+
+    def clear_library_workspaces(self) -> bool:
+        """Drop the libraries' cached workspaces (cuBLAS: one per stream). Only while no graph is alive: a live
+        graph may replay into one. True if done."""
+        return False
 
     def dump_snapshot(self, path: str) -> str | None:
         """Write the allocator's memory snapshot (PyTorch's memory visualizer opens it); None if it cannot."""

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ..errors import BackendUnavailableError
-from .base import Backend, Block, GraphAPI, PoolId, PoolState
+from .base import Backend, Block, GraphAPI, PoolId, PoolState, expandable_from_env
 
 # private torch functions this backend uses, and what is off without each
 _PRIVATE = {
@@ -22,6 +22,7 @@ _PRIVATE = {
     "_host_emptyCache": "the host allocator's flush (its ledger of graph pools is then never cleared here)",
     "_cuda_endAllocateToPool": "closing the allocator's record after a failed capture",
     "_cuda_releasePool": "giving back a failed capture's pool reference",
+    "_cuda_clearCublasWorkspaces": "naming a cuBLAS workspace as what pins a pool",
 }
 
 
@@ -124,9 +125,7 @@ class CudaBackend(Backend):
             fn()
 
     def expandable_segments(self) -> bool:
-        conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF") or ""
-        settings = dict(kv.split(":", 1) for kv in conf.replace(" ", "").split(",") if ":" in kv)
-        return settings.get("expandable_segments", "").lower() in ("true", "1")
+        return expandable_from_env()
 
     def capture_invalidated(self) -> bool:
         # an invalidated capture no longer reads as active on its stream
@@ -189,12 +188,31 @@ class CudaBackend(Backend):
         for seg in self._segments(device):
             if _segment_pool(seg) != tuple(pool_id):
                 continue
+            address = seg.get("address", 0)
             for blk in seg.get("blocks", []):
                 if blk.get("state") == "active_allocated":
                     frames = blk.get("frames") or []
                     out.append(Block(blk.get("size", 0), "".join(
-                        f"  {f['filename']}:{f['line']} in {f['name']}\n" for f in frames[:12])))
+                        f"  {f['filename']}:{f['line']} in {f['name']}\n" for f in frames[:12]),
+                        blk.get("address", address)))
+                address += blk.get("size", 0)
         return out
+
+    def storage_span(self, t: torch.Tensor) -> tuple[int, int] | None:
+        if not t.is_cuda:
+            return None
+        try:
+            st = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # a tensor subclass or a meta view without storage
+            return None
+        return st.data_ptr(), st.data_ptr() + st.nbytes()
+
+    def clear_library_workspaces(self) -> bool:
+        fn = _private("_cuda_clearCublasWorkspaces")
+        if fn is None or not torch.cuda.is_initialized() or torch.cuda.is_current_stream_capturing():
+            return False
+        fn()
+        return True
 
     def record_history(self, on: bool = True) -> str | None:
         fn = getattr(torch.cuda.memory, "_record_memory_history", None)

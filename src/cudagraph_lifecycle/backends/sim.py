@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import signal
 import threading
 import traceback
 import weakref
@@ -57,7 +58,8 @@ except ImportError as e:  # pragma: no cover - older or stripped torch builds
     TorchDispatchMode = object
 
 from ..trees import leaves, map_leaves
-from .base import Backend, Block, GraphAPI, MiB, PoolId, PoolState
+from .base import Backend, Block, GraphAPI, MiB, PoolId, PoolState, expandable_from_env
+from .sim_expandable import ExpandablePool
 
 DEFAULT_POOL: PoolId = (0, 0)  # where the backend's factories allocate; never a graph pool
 
@@ -143,13 +145,22 @@ class _Pool:
     pool_id: PoolId
     device: int
     use_count: int = 1
-    segments: list[_Segment] = field(default_factory=list)
+    segments: list = field(default_factory=list)  # _Segment; ExpandableSegment under expandable segments
+    exp: ExpandablePool | None = None  # a private pool under expandable segments (sim_expandable.py)
+
+    def __post_init__(self) -> None:
+        if self.exp is not None:
+            self.segments = self.exp.segments
 
     def reserved(self) -> int:
         return sum(s.size for s in self.segments)
 
     def allocated(self) -> int:
         return sum(s.allocated() for s in self.segments)
+
+    def mapped(self) -> list:
+        """Its segments that hold memory (an expandable segment whose pages were all unmapped holds none)."""
+        return [s for s in self.segments if s.size]
 
 
 class SimStream:
@@ -273,6 +284,7 @@ class SimGraph:
         self._invalidated = False
         self._ever_captured = False
         self._holds_refs = False
+        self._stream = 0
 
     # capture
     def capture_begin(self, pool: PoolId | None = None, capture_error_mode: str = "global") -> None:
@@ -286,6 +298,7 @@ class SimGraph:
         if self._captured:
             raise RuntimeError("This CUDAGraph instance already owns a captured graph; call reset() first")
         device = stream.device
+        self._stream = stream.id
         pool_id = tuple(pool) if pool is not None and tuple(pool) != (0, 0) else be._next_graph_pool_id()
         be._incref_pool(pool_id, device, create=True)  # may assert and poison
         be._incref_host_pool(pool_id)  # after the device incref: a host assert leaks that reference
@@ -386,9 +399,9 @@ class SimBackend(Backend):
                 cls._process = cls()
             return cls._process
 
-    def __init__(self, devices: int = 2, record_stacks: bool = False, expandable_segments: bool = False):
-        # expandable_segments only says the allocator runs with it (the sanitizer watches teardowns then): on
-        # the H200 with torch 2.11 no teardown sequence behaved differently with it (docs/gpu-results).
+    def __init__(self, devices: int = 2, record_stacks: bool = False, expandable_segments: bool | None = None):
+        # expandable_segments: private pools follow sim_expandable.py (None: as PYTORCH_CUDA_ALLOC_CONF says,
+        # like the real allocator); the default pool keeps the plain segments either way.
         if _MISSING is not None:
             from ..errors import BackendUnavailableError
 
@@ -413,7 +426,8 @@ class SimBackend(Backend):
         self._capturing: SimGraph | None = None
         self.poisoned: str | None = None
         self.record_stacks = record_stacks
-        self._expandable = expandable_segments
+        self._expandable = expandable_from_env() if expandable_segments is None else bool(expandable_segments)
+        self._dangling: list[_Block] = []  # live blocks of pools erased under them (expandable segments)
 
     # devices
     def is_available(self) -> bool:
@@ -452,7 +466,7 @@ class SimBackend(Backend):
             key = (device, pool_id)
             pool = self._pools.get(key)
             if pool is None:
-                self._pools[key] = _Pool(pool_id, device)
+                self._pools[key] = _Pool(pool_id, device, exp=ExpandablePool() if self._expandable else None)
                 return
             if pool.use_count <= 0:
                 # The real allocator asserts here, after the capture's generator bookkeeping began:
@@ -493,7 +507,18 @@ class SimBackend(Backend):
 
     def _allocate_block(self, graph: SimGraph, t: torch.Tensor) -> None:
         with self._lock:
-            self._place(self._pools[(graph._device, graph._pool)], t)
+            pool = self._pools[(graph._device, graph._pool)]
+            if pool.exp is not None:
+                self._place_expandable(pool, t, graph._stream)
+            else:
+                self._place(pool, t)
+
+    def _place_expandable(self, pool: _Pool, t: torch.Tensor, stream: int) -> None:
+        self._collect()
+        size = round_size(t.untyped_storage().nbytes())
+        seg, offset, size = pool.exp.allocate(size, size <= SMALL_SIZE, stream)
+        stack = traceback.format_stack(limit=13)[:-4] if self.record_stacks else None
+        seg.blocks.append(_Block(offset, size, StorageWeakRef(t.untyped_storage()), _storage_key(t), stack))
 
     def _allocate_default(self, t: torch.Tensor, device: int) -> torch.Tensor:
         """A tensor made by the backend's factories: a block of the device's default pool."""
@@ -536,6 +561,9 @@ class SimBackend(Backend):
             for seg in pool.segments:
                 if seg.blocks:
                     seg.blocks = [b for b in seg.blocks if b.alive()]
+        if self._dangling and not all(b.alive() for b in self._dangling):
+            # a block of a pool the allocator erased was freed: a use after free (sim_expandable.py)
+            os.kill(os.getpid(), signal.SIGSEGV)
 
     def capture_invalidated(self) -> bool:
         return self._capturing is not None and self._capturing._invalidated
@@ -581,7 +609,7 @@ class SimBackend(Backend):
         self.synchronize()
         self.empty_cache()
         self.host_empty_cache()
-        stream = stream or SimStream(self.current_device())
+        stream = stream or self.capture_stream(self.current_device())  # torch.cuda.graph's one default stream
         with self.stream(stream):
             graph.capture_begin(pool)
             try:
@@ -601,6 +629,12 @@ class SimBackend(Backend):
             self._collect()
             for key in sorted(self._freeable):
                 pool = self._pools[key]
+                if pool.exp is not None:
+                    if pool.exp.release():  # may raise the allocator's cudaMalloc_count assert
+                        self._dangling += [b for seg in pool.segments for b in seg.blocks]
+                        del self._pools[key]
+                        self._freeable.discard(key)
+                    continue
                 pool.segments = [s for s in pool.segments if s.blocks]
                 if not pool.segments:
                     del self._pools[key]
@@ -616,20 +650,22 @@ class SimBackend(Backend):
             pool = self._pools.get((device, tuple(pool_id)))
             if pool is None:
                 return PoolState(tuple(pool_id), device, False, 0, 0, 0, 0)
-            return PoolState(
-                pool.pool_id, device, True, pool.use_count, pool.reserved(), pool.allocated(), len(pool.segments)
-            )
+            held = pool.mapped()
+            # as CUDA shows it: a pool with no segment and no reference reads as gone (under expandable
+            # segments the allocator may still keep it: sim_expandable.py)
+            return PoolState(pool.pool_id, device, bool(held) or pool.use_count > 0, pool.use_count,
+                             pool.reserved(), pool.allocated(), len(held))
 
     def pool_ids(self, device: int = 0) -> list[PoolId]:
         with self._lock:
             return sorted(p.pool_id for (d, pid), p in self._pools.items()
-                          if d == device and p.segments and pid != DEFAULT_POOL)
+                          if d == device and p.mapped() and pid != DEFAULT_POOL)
 
     def segments(self, device: int = 0) -> list[dict[str, Any]]:
         with self._lock:
             self._collect()
             return [{"address": id(seg), "size": seg.size, "allocated": seg.allocated(), "pool_id": p.pool_id,
-                     "stream": 0} for (d, _), p in self._pools.items() if d == device for seg in p.segments]
+                     "stream": 0} for (d, _), p in self._pools.items() if d == device for seg in p.mapped()]
 
     def memory_reserved(self, device: int = 0) -> int:
         with self._lock:
@@ -647,11 +683,21 @@ class SimBackend(Backend):
             pool = self._pools.get((device, tuple(pool_id)))
             if pool is None:
                 return []
-            return [Block(b.size, "".join(b.stack or [])) for s in pool.segments for b in s.blocks]
+            return [Block(b.size, "".join(b.stack or []), b.key, 1) for s in pool.segments for b in s.blocks]
 
     def record_history(self, on: bool = True) -> str | None:
         self.record_stacks = on
         return None
+
+    def storage_span(self, t: torch.Tensor) -> tuple[int, int] | None:
+        # a block is known by its storage's identity: one "address" per storage
+        if t.device.type != "cpu" or t.is_meta:
+            return None
+        try:
+            key = _storage_key(t)
+        except (RuntimeError, NotImplementedError):
+            return None
+        return key, key + 1
 
     # tensors: blocks of the default pool, outside any capture
     def randn(self, *shape: int, device: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:

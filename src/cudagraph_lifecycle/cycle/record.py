@@ -35,6 +35,7 @@ class Problem:
     message: str
     bytes: int = 0
     stacks: list[str] = field(default_factory=list)
+    pins: list[dict] = field(default_factory=list)  # what pins a leaked pool (sanitizer.pins.Pin as dicts)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -64,8 +65,9 @@ class CycleRecord:
     problems: list[Problem] = field(default_factory=list)
     sanitizer: list[dict] = field(default_factory=list)
 
-    def add(self, kind: str, message: str, nbytes: int = 0, stacks: list[str] | None = None) -> None:
-        self.problems.append(Problem(kind, message, nbytes, list(stacks or [])))
+    def add(self, kind: str, message: str, nbytes: int = 0, stacks: list[str] | None = None,
+            pins: list[dict] | None = None) -> None:
+        self.problems.append(Problem(kind, message, nbytes, list(stacks or []), list(pins or [])))
         self.settle_verdict()
 
     def settle_verdict(self) -> None:

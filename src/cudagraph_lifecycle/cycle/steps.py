@@ -24,6 +24,7 @@ from ..errors import (
     StalePoolError,
 )
 from ..ledger import Key, ledger
+from ..sanitizer.pins import describe, what_pins
 from ..trees import leaves
 from .caller import Caller, caller_copy
 from .engine import Engine
@@ -161,9 +162,11 @@ def check_held(be: Backend, caller: Caller, current: set[Key]) -> CycleRecord | 
     if left:
         rec.held_bytes = max(0, rec.held_bytes - left)
         rec.leaked_bytes += left
+        pins = what_pins(be, pools)
         rec.add("leaked", f"once the caller dropped this engine's output, its pools "
-                          f"{[k[2] for k in pools]} still held {left} bytes: something else pins them",
-                left, _stacks(be, pools))
+                          f"{[k[2] for k in pools]} still held {left} bytes: "
+                          + (describe(pins) if pins else "something else pins them"),
+                left, _stacks(be, pools), [p.as_dict() for p in pins])
     else:
         rec.settle_verdict()
     return rec
@@ -191,9 +194,12 @@ def judge(be: Backend, rec: CycleRecord, output: Any, hold: bool, declared: list
         rec.held_bytes = total  # judged again once the caller drops it (check_held)
     elif total:
         rec.leaked_bytes = total
-        hint = _leak_hint(output)
-        rec.add("leaked", f"after release its pools {[k[2] for k, b in left.items() if b]} still hold {total} "
-                          f"bytes that no output the caller holds pins{hint}", total, _stacks(be, list(keys)))
+        pinned = [k for k, b in left.items() if b]
+        known = {id(t): "the copy of its output the caller keeps" for t in leaves(output)}
+        pins = what_pins(be, pinned, known)
+        rec.add("leaked", f"after release its pools {[k[2] for k in pinned]} still hold {total} bytes that no "
+                          "output the caller holds pins: " + (describe(pins) if pins else _leak_hint(output)),
+                total, _stacks(be, list(keys)), [p.as_dict() for p in pins])
     for k in keys:
         earlier = [s for s in ledger.scopes_of(*k) if s != label]
         if earlier:
@@ -212,8 +218,9 @@ def judge(be: Backend, rec: CycleRecord, output: Any, hold: bool, declared: list
 
 
 def _leak_hint(output: Any) -> str:
+    """Where no live block could be listed (a backend without books of blocks)."""
     flat = [t for t in leaves(output) if isinstance(t, torch.Tensor)]
     if any(t.grad_fn is not None for t in flat):
-        return (" -- its output carries autograd history, so a copy of it keeps the capture's saved activations "
+        return ("its output carries autograd history, so a copy of it keeps the capture's saved activations "
                 "alive: capture (and run) under torch.no_grad() or torch.inference_mode()")
-    return " -- a tensor allocated in its captures outlives the engine (a module global, a cache)"
+    return "a tensor allocated in its captures outlives the engine"

@@ -77,8 +77,10 @@ class Hooks:
         live = sum(b.size for b in blocks) or be.pool_state(g.pool_id, g.device).allocated_bytes
         if not live:
             return
+        where = Stack.here(2)
         hazard = TeardownHazard(e.key, led.scope, led.next_seq(), e.owner, live,
-                                tuple(b.stack for b in blocks if b.stack)[:8], str(Stack.here(2)))
+                                tuple(b.stack for b in blocks if b.stack)[:8], str(where), led.test,
+                                tuple(e.capture_sites()), where.site())
         led.note_hazard(hazard)
         rules = self.judges.get(g.world)
         if rules:

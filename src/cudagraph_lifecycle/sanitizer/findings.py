@@ -1,5 +1,8 @@
 """Findings about graph pools, read from the ledger: graphs never reset, released pools whose bytes a live
-tensor pins, pools that hold references with no live graph. Each names the engine whose capture made it."""
+tensor pins, pools that hold references with no live graph, and pools torn down with live blocks under
+expandable segments. Each names where it came from: the user's lines that captured into the pool
+(``sites``), the tests that did (``tests``, when the pytest plugin is loaded) and the engine whose capture
+made it."""
 
 from __future__ import annotations
 
@@ -21,43 +24,58 @@ class Finding:
     message: str
     stacks: tuple[str, ...] = ()
     engine: str | None = None  # the engine scope whose capture made the pool
+    sites: tuple[str, ...] = ()  # file:line in function of the user's code that captured into the pool
+    tests: tuple[str, ...] = ()  # the tests that captured into it
+    pins: tuple[dict, ...] = ()  # what keeps its bytes alive, where it can be known (sanitizer.pins)
 
     def as_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "pool_id": list(self.pool_id), "device": self.device, "bytes": self.bytes,
-                "message": self.message, "stacks": list(self.stacks), "engine": self.engine}
+                "message": self.message, "stacks": list(self.stacks), "engine": self.engine,
+                "sites": list(self.sites), "tests": list(self.tests), "pins": list(self.pins)}
 
 
 def collect(backend: Backend, since: int = 0, scope: str | None = None) -> list[Finding]:
     """Findings about the pools of ``backend``'s world captured into after ledger sequence ``since`` (and,
     with ``scope``, by that engine scope)."""
+    from .pins import describe, what_pins
+
     world = backend.world
     out: list[Finding] = []
     for h in list(ledger.hazards):
         if h.key[0] == world and h.seq > since and (scope is None or h.scope == scope):
             out.append(Finding(
                 "expandable_teardown", h.key[2], h.key[1], h.live_bytes,
-                f"the last graph of pool {h.key[2]} was reset while {h.live_bytes} bytes of it were alive, under "
-                "expandable_segments:True: peers report that freeing them then crashes the process",
-                h.stacks or (h.reset_at,), h.owner))
+                f"the last graph of pool {h.key[2]} was reset at {h.reset_site or '(unknown)'} while "
+                f"{h.live_bytes} bytes of it were alive, under expandable_segments:True: freeing them after the "
+                "pool's teardown can crash the process (SIGSEGV)",
+                h.stacks or (h.reset_at,), h.owner, h.sites, tuple(t for t in (h.test,) if t)))
     for g in ledger.live_graphs(world):
         if g.seq > since and (scope is None or g.scope == scope):
             out.append(Finding(
                 "unreleased_graph", g.pool_id, g.device, 0,
-                f"a graph captured into pool {g.pool_id} was never reset", (str(g.captured_at),), g.scope))
+                f"a graph captured into pool {g.pool_id} at {g.site or '(unknown)'} was never reset",
+                (str(g.captured_at),), g.scope, (g.site,) if g.site else (), tuple(t for t in (g.test,) if t)))
+    read = backend.pool_bytes_reader()
     for e in ledger.snapshot(world):
         if e.last_seq <= since or (scope is not None and scope not in e.scopes):
             continue
-        st = backend.pool_state(e.pool_id, e.device)
-        if e.device_count <= 0 and st.allocated_bytes:  # free segments alone go at empty_cache
+        sites, tests = tuple(e.capture_sites()), tuple(e.tests)
+        where = f" (captured at {sites[0]})" if sites else ""
+        if e.device_count <= 0 and read(e.device, e.pool_id):
+            st = backend.pool_state(e.pool_id, e.device)
+            if not st.allocated_bytes:  # free segments alone go at empty_cache
+                continue
             stacks = tuple(b.stack for b in backend.live_blocks(e.pool_id, e.device) if b.stack)
+            pins = what_pins(backend, [e.key])
             out.append(Finding(
                 "pinned_pool", e.pool_id, e.device, st.reserved_bytes,
-                f"pool {e.pool_id} was released but {st.reserved_bytes} bytes stay reserved: a tensor allocated "
-                "in its captures is still alive (an output kept, or a clone with autograd history)",
-                stacks, e.owner))
+                f"pool {e.pool_id}{where} was released but {st.reserved_bytes} bytes stay reserved: "
+                + (describe(pins) if pins else "a tensor allocated in its captures is still alive"),
+                stacks, e.owner, sites, tests, tuple(p.as_dict() for p in pins)))
         elif e.device_count > 0 and not e.live_graphs() and e.captures:
             out.append(Finding(
-                "pool_never_retired", e.pool_id, e.device, st.reserved_bytes,
-                f"pool {e.pool_id} has no live graph but {e.device_count} reference(s): a MemPool still alive, "
-                "or a failed capture that kept its reference", (str(e.minted_at or ""),), e.owner))
+                "pool_never_retired", e.pool_id, e.device, read(e.device, e.pool_id),
+                f"pool {e.pool_id}{where} has no live graph but {e.device_count} reference(s): a MemPool still "
+                "alive, or a failed capture that kept its reference", (str(e.minted_at or ""),), e.owner, sites,
+                tests))
     return out

@@ -1,0 +1,223 @@
+"""What pins a released pool: the owner of each live block, where the process can know it.
+
+Asked only once a pool was found pinned (a leaked verdict, a ``pinned_pool`` finding), never on the capture
+path. In order:
+
+* ``python_reference``: a tensor whose storage lies in the block, and who holds it (a module global, an
+  object's attribute, a list, a local variable);
+* ``autograd_history``: a tensor saved for backward by an autograd graph that a live tensor still carries
+  (a copy of an output captured with autograd on);
+* ``library_workspace``: a block that clearing the libraries' workspace caches frees (cuBLAS keeps one
+  workspace per stream; the first matmul on a stream inside a capture puts it in the graph's pool). Tried
+  only while no graph of the device is alive, since a live graph may replay into that workspace;
+* ``unknown``: nothing above reaches it (a C++ extension's cache, a library workspace while graphs live).
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import types
+import warnings
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from ..backends import Backend
+from ..ledger import Key, ledger
+
+_AUTOGRAD_NODES = 20000  # autograd nodes walked at most
+
+FIXES = {
+    "python_reference": "drop that reference (or keep a .clone() made under torch.no_grad()) before the release",
+    "autograd_history": "capture (and run) under torch.no_grad() or torch.inference_mode(), or keep only "
+                        ".detach()ed copies of outputs",
+    "library_workspace": "cuBLAS keeps one workspace per stream, made by the first matmul on it: run one matmul "
+                         "on the capture stream before the first capture (torch.cuda.graph without stream= uses "
+                         "torch.cuda.graph.default_capture_stream), or call torch._C._cuda_clearCublasWorkspaces() "
+                         "once no graph is alive",
+    "unknown": "no Python object or autograd graph reaches it (a C++ cache, an extension, or a library "
+               "workspace while graphs are alive): record allocation stacks (PoolSanitizer(record_history=True)) "
+               "to see where it was allocated",
+}
+
+
+@dataclass(frozen=True)
+class Pin:
+    cause: str  # python_reference | autograd_history | library_workspace | unknown
+    bytes: int
+    holder: str
+    fix: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def describe(pins: list[Pin]) -> str:
+    """One line per holder: who pins how many bytes, and the fix."""
+    return "; ".join(f"{p.bytes} bytes pinned by {p.holder} ({p.cause}): {p.fix}" for p in pins)
+
+
+def what_pins(backend: Backend, keys: list[Key], known: dict[int, str] | None = None) -> list[Pin]:
+    """The holders of the live blocks of the pools ``keys`` (world, device, pool id), largest first. ``known``
+    names objects the caller knows (id -> words, e.g. the copy of an output a caller keeps)."""
+    blocks = [(*b.span, b.size, k[1]) for k in keys for b in backend.live_blocks(k[2], k[1]) if b.span]
+    if not blocks:
+        return []
+    owner: dict[int, tuple[str, str]] = {}  # block index -> (cause, holder)
+    tensor = torch.Tensor
+    tensors = [o for o in gc.get_objects() if issubclass(type(o), tensor)]  # type(): no __class__ lookups
+    ignore = {id(tensors), id(sys._getframe())}
+    known = known or {}
+
+    def name(t: Any) -> str | None:
+        return known.get(id(t)) or _holder(t, ignore)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # deprecated module attributes warn when touched
+        for t in tensors:
+            hit = [i for i in _blocks_of(backend, t, blocks) if i not in owner]
+            held_as = name(t) if hit else None  # a tensor no Python object names is held from C++ (autograd)
+            for i in hit:
+                if held_as is not None:
+                    owner[i] = ("python_reference", f"a tensor {_shape(t)} held as {held_as}")
+        if len(owner) < len(blocks):
+            _autograd(backend, tensors, blocks, owner, name)
+    del tensors
+    if len(owner) < len(blocks):
+        _workspaces(backend, keys, blocks, owner)
+    grouped: dict[tuple[str, str], int] = {}
+    for i, (_, _, size, _) in enumerate(blocks):
+        cause, holder = owner.get(i, ("unknown", "something outside Python"))
+        grouped[(cause, holder)] = grouped.get((cause, holder), 0) + size
+    pins = [Pin(cause, n, holder, FIXES[cause]) for (cause, holder), n in grouped.items()]
+    return sorted(pins, key=lambda p: -p.bytes)
+
+
+def _blocks_of(backend: Backend, t: torch.Tensor, blocks: list[tuple]) -> list[int]:
+    span = backend.storage_span(t)
+    if span is None:
+        return []
+    lo, hi = span
+    return [i for i, (blo, bhi, _, _) in enumerate(blocks) if lo < bhi and blo < max(hi, lo + 1)]
+
+
+def _shape(t: torch.Tensor) -> str:
+    return f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}"
+
+
+def _module_named(d: dict) -> str | None:
+    for name, mod in list(sys.modules.items()):
+        if getattr(mod, "__dict__", None) is d:
+            return name
+    return None
+
+
+def _holder(obj: Any, ignore: set[int], depth: int = 3) -> str | None:
+    """Who refers to ``obj``, in words: the first referrer that names it (up to ``depth`` levels up); None
+    when no Python object does (then C++ holds it: an autograd graph, a library)."""
+    refs = gc.get_referrers(obj)
+    ignore = ignore | {id(sys._getframe()), id(refs)}  # this call's own list and frame refer to it too
+    unnamed = None  # a container that holds it but that nothing names (a running function's local)
+    for ref in refs:
+        if id(ref) in ignore:
+            continue
+        if isinstance(ref, dict):
+            key = next((k for k, v in ref.items() if v is obj), "?")
+            module = _module_named(ref)
+            if module is not None:
+                return f"global `{key}` of module {module}"
+            owner = _dict_owner(ref, ignore | {id(ref)})
+            if owner is not None:
+                return f"attribute `{key}` of a {type(owner).__qualname__} object" + _up(owner, ignore | {id(ref)}, depth)
+            what, up = f"key `{key}` of a dict", _up(ref, ignore, depth)
+            for attr, kind in (("_buffers", "buffer"), ("_parameters", "parameter")):  # a torch module's
+                if up.startswith(f" (attribute `{attr}` of "):
+                    return f"{kind} `{key}` of " + up[len(f" (attribute `{attr}` of "):-1]
+        elif isinstance(ref, (list, tuple, set)):
+            what, up = f"an item of a {type(ref).__name__}", _up(ref, ignore, depth)
+        elif isinstance(ref, types.FrameType):
+            key = next((k for k, v in ref.f_locals.items() if v is obj), "?")
+            return f"local variable `{key}` of {ref.f_code.co_name} ({ref.f_code.co_filename}:{ref.f_lineno})"
+        elif isinstance(ref, types.CellType):
+            fn = next((f for f in gc.get_referrers(ref) if isinstance(f, tuple)), None)
+            owner = next((f for f in gc.get_referrers(fn) if isinstance(f, types.FunctionType)), None) if fn else None
+            if owner is None:
+                continue  # a cell of a function now running: its frame, not a holder Python can name
+            return f"a closure variable of {owner.__qualname__} ({owner.__code__.co_filename})"
+        else:  # an object keeping it as an attribute without a __dict__ of its own yet (inline values)
+            attrs = getattr(ref, "__dict__", None)
+            key = next((k for k, v in attrs.items() if v is obj), None) if isinstance(attrs, dict) else None
+            if key is None:
+                continue
+            return f"attribute `{key}` of a {type(ref).__qualname__} object" + _up(ref, ignore, depth)
+        if up or depth <= 1:
+            return what + up
+        unnamed = unnamed or what
+    return unnamed
+
+
+def _up(obj: Any, ignore: set[int], depth: int) -> str:
+    """`` (<who holds obj>)`` one level up, or nothing."""
+    if depth <= 1:
+        return ""
+    up = _holder(obj, ignore, depth - 1)
+    return f" ({up})" if up else ""
+
+
+def _dict_owner(d: dict, ignore: set[int]) -> Any:
+    """The object whose ``__dict__`` ``d`` is, or None."""
+    for ref in gc.get_referrers(d):
+        if id(ref) not in ignore and not isinstance(ref, (dict, list, tuple, types.FrameType)) \
+                and getattr(ref, "__dict__", None) is d:
+            return ref
+    return None
+
+
+def _saved(node: Any) -> list[torch.Tensor]:
+    out = []
+    for name in dir(node):
+        if name.startswith("_saved_") or name == "saved_tensors":
+            try:
+                v = getattr(node, name)
+            except Exception:  # freed by a backward already, or not readable
+                continue
+            items = v if isinstance(v, (tuple, list)) else (v,)
+            out += [x for x in items if isinstance(x, torch.Tensor)]
+    return out
+
+
+def _autograd(backend: Backend, tensors: list, blocks: list[tuple], owner: dict, name) -> None:
+    """Tensors saved for backward by the autograd graphs that live tensors carry: roots that Python names
+    first (a root held only from C++ is itself part of such a graph)."""
+    seen: set[int] = set()
+    roots = [(t, name(t)) for t in tensors if getattr(t, "grad_fn", None) is not None]
+    for root, held_as in sorted(roots, key=lambda r: r[1] is None):
+        fn = root.grad_fn
+        todo = [fn]
+        while todo and len(seen) < _AUTOGRAD_NODES:
+            node = todo.pop()
+            if node is None or id(node) in seen:
+                continue
+            seen.add(id(node))
+            for saved in _saved(node):
+                for i in _blocks_of(backend, saved, blocks):
+                    owner.setdefault(i, ("autograd_history", f"the autograd graph of a tensor {_shape(root)}"
+                                                              + (f" held as {held_as}" if held_as else "")))
+            todo += [f for f, _ in getattr(node, "next_functions", ())]
+        if len(owner) == len(blocks) or len(seen) >= _AUTOGRAD_NODES:
+            return
+
+
+def _workspaces(backend: Backend, keys: list[Key], blocks: list[tuple], owner: dict) -> None:
+    """Clear the libraries' workspace caches, where no graph of the device is alive, and see what went."""
+    devices = {d for _, _, _, d in blocks}
+    live = {g.device for g in ledger.live_graphs(backend.world)}
+    if devices & live or not backend.clear_library_workspaces():
+        return
+    left = {(b.address, b.size) for k in keys for b in backend.live_blocks(k[2], k[1])}
+    for i, (lo, _, size, _) in enumerate(blocks):
+        if i not in owner and (lo, size) not in left:
+            owner[i] = ("library_workspace", "a cuBLAS workspace created inside a capture (freed now: "
+                                             "the workspace caches were cleared)")

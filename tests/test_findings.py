@@ -1,0 +1,242 @@
+"""Findings a user can act on: each names the test and the line that captured into its pool, and what pins
+a pinned pool (a global, an attribute, a list, the autograd graph of a copy, a library workspace)."""
+
+import json
+
+import pytest
+import torch
+
+from cudagraph_lifecycle.backends.sim import SimBackend
+from cudagraph_lifecycle.conformance import Ctx
+from cudagraph_lifecycle.ledger import ledger
+from cudagraph_lifecycle.sanitizer import PoolSanitizer
+from cudagraph_lifecycle.sanitizer.pins import what_pins
+
+HELD = {}  # a module global that pins a pool in the tests below
+_STARTED = []  # sanitizers the helpers started: stopped after each test, whatever it asserted
+
+
+@pytest.fixture(autouse=True)
+def _stop_sanitizers():
+    yield
+    while _STARTED:
+        _STARTED.pop().stop()
+
+
+def _pinned(hold, grad: bool = False):
+    """A released pool of a fresh simulated allocator, one of its outputs handed to ``hold``."""
+    be = SimBackend()
+    san = PoolSanitizer(be).start()
+    _STARTED.append(san)
+    c = Ctx(be)
+    h = be.graph_pool_handle()
+    g = be.new_graph()
+    w = be.randn(16).requires_grad_(grad)
+    x = c.tensor(16)
+    with torch.set_grad_enabled(grad):
+        y = c.capture(g, h, lambda: (x * w).relu())
+    hold(y)
+    g.reset()
+    del y
+    be.empty_cache()
+    return be, san, (be.world, 0, h)
+
+
+def test_a_module_global_is_named():
+    be, san, key = _pinned(lambda y: HELD.__setitem__("out", y))
+    try:
+        (pin,) = what_pins(be, [key])
+        assert pin.cause == "python_reference" and pin.bytes == 512
+        assert "key `out` of a dict (global `HELD` of module test_findings)" in pin.holder
+        (f,) = san.findings()
+        assert f.kind == "pinned_pool" and f.pins[0]["cause"] == "python_reference"
+        assert "global `HELD`" in f.message and "drop that reference" in f.message
+    finally:
+        HELD.clear()
+        san.stop()
+
+
+class Decoder:
+    pass
+
+
+def test_an_attribute_and_a_list_item_are_named():
+    keep = Decoder()
+    be, san, key = _pinned(lambda y: setattr(keep, "last_out", y))
+    (pin,) = what_pins(be, [key])
+    assert "attribute `last_out` of a Decoder object" in pin.holder
+    san.stop()
+    cache = []
+    be, san, key = _pinned(cache.append)
+    (pin,) = what_pins(be, [key])
+    assert pin.holder.startswith("a tensor (16,) float32 held as an item of a list")
+    san.stop()
+
+
+def test_a_buffer_of_a_module_is_named():
+    mod = torch.nn.Module()
+    be, san, key = _pinned(lambda y: mod.register_buffer("cached", y))
+    (pin,) = what_pins(be, [key])
+    assert "buffer `cached` of a Module object" in pin.holder
+    san.stop()
+
+
+def test_the_autograd_graph_of_a_copy_is_named():
+    kept = []
+    be, san, key = _pinned(lambda y: kept.append(y.clone()), grad=True)  # the clone carries the capture's history
+    (pin,) = what_pins(be, [key])
+    assert pin.cause == "autograd_history" and "torch.no_grad()" in pin.fix
+    assert "held as an item of a list" in pin.holder
+    kept.clear()
+    be.empty_cache()
+    assert what_pins(be, [key]) == []  # nothing pins it any more
+    san.stop()
+
+
+class WorkspaceSim(SimBackend):
+    """A simulated allocator with one library workspace cache, as cuBLAS keeps per stream: a block made
+    inside a capture stays alive in that graph's pool until the cache is cleared."""
+
+    def __init__(self):
+        super().__init__()
+        self.workspace = None  # the storage alone, as C++ holds it: no Python tensor refers to it
+        self.cleared = 0
+
+    def clear_library_workspaces(self) -> bool:
+        self.cleared += 1
+        self.workspace = None
+        return True
+
+
+def _workspace_pinned(keep_graph_alive: bool):
+    be = WorkspaceSim()
+    san = PoolSanitizer(be).start()
+    _STARTED.append(san)
+    c = Ctx(be)
+    h = be.graph_pool_handle()
+    g = be.new_graph()
+    x = c.tensor(16)
+
+    def body():
+        be.workspace = torch.empty(1 << 20, dtype=torch.uint8).untyped_storage()  # the "first matmul" here
+        return x * 2
+
+    c.capture(g, h, body)
+    other = None
+    if keep_graph_alive:
+        other = be.new_graph()
+        c.step(other, be.graph_pool_handle())
+    g.reset()
+    be.empty_cache()
+    return be, san, (be.world, 0, h), other
+
+
+def test_a_library_workspace_is_named_by_clearing_the_caches_when_no_graph_lives():
+    be, san, key, _ = _workspace_pinned(keep_graph_alive=False)
+    (pin,) = what_pins(be, [key])
+    assert pin.cause == "library_workspace" and be.cleared == 1 and pin.bytes == 1 << 20
+    assert "clearCublasWorkspaces" in pin.fix
+    san.stop()
+
+
+def test_the_caches_are_not_cleared_while_a_graph_lives():
+    be, san, key, other = _workspace_pinned(keep_graph_alive=True)
+    (pin,) = what_pins(be, [key])
+    assert pin.cause == "unknown" and be.cleared == 0, pin.holder  # a live graph may replay into a workspace
+    assert "record allocation stacks" in pin.fix
+    san.stop()
+
+
+def test_findings_carry_the_capture_site_and_the_test():
+    be = SimBackend()
+    with PoolSanitizer(be) as san:
+        ledger.test = "tests/test_x.py::test_y"
+        try:
+            g = be.new_graph()
+            Ctx(be).step(g, be.graph_pool_handle())  # never reset
+        finally:
+            ledger.test = None
+        (f,) = san.findings()
+    assert f.kind == "unreleased_graph" and f.tests == ("tests/test_x.py::test_y",)
+    # the user's line, not the library's Ctx.capture nor torch's
+    assert len(f.sites) == 1 and "test_findings.py" in f.sites[0] and "test_findings_carry" in f.sites[0]
+    assert f.sites[0] in f.message
+    d = f.as_dict()
+    assert d["sites"] == list(f.sites) and d["tests"] == ["tests/test_x.py::test_y"]
+    g.reset()
+
+
+def _captures_in_worker():
+    from cudagraph_lifecycle.backends import get_backend
+
+    be = get_backend("sim")
+    g = be.new_graph()
+    Ctx(be).step(g, be.graph_pool_handle())
+    e = ledger.pool(be.world, 0, g.pool())
+    g.reset()
+    return e.tests, e.capture_sites()
+
+
+def test_captures_in_a_worker_belong_to_the_calling_test(cudagraph_worker, request):
+    tests, sites = cudagraph_worker.call(_captures_in_worker)
+    assert tests == [request.node.nodeid]
+    assert sites and "_captures_in_worker" in sites[0]
+
+
+SESSION_TESTS = '''
+import torch
+from cudagraph_lifecycle import get_backend
+
+CACHE = {}
+GRAPHS = []
+
+def _capture(be):
+    g = be.new_graph()
+    x = torch.ones(64)
+    with be.stream(be.new_stream(0)):
+        g.capture_begin(pool=be.graph_pool_handle())
+        y = x * 2
+        g.capture_end()
+    return g, y
+
+def test_pins_a_pool():
+    be = get_backend("sim")
+    g, y = _capture(be)
+    CACHE["last"] = y
+    g.reset()
+    be.empty_cache()
+
+def test_keeps_a_graph():
+    GRAPHS.append(_capture(get_backend("sim")))
+
+def test_clean():
+    be = get_backend("sim")
+    g, y = _capture(be)
+    del y
+    g.reset()
+'''
+
+
+@pytest.mark.parametrize("xdist", [False, True], ids=["one process", "xdist -n 2"])
+def test_a_session_wide_sanitizer_names_the_test_and_the_line(pytester, monkeypatch, xdist):
+    monkeypatch.setenv("CUDAGRAPH_SANITIZE", "1")
+    monkeypatch.setenv("CUDAGRAPH_SANITIZE_BACKEND", "sim")
+    pytester.makepyfile(test_s=SESSION_TESTS)
+    report = pytester.path / "r.json"
+    args = ["-p", "cudagraph", "-p", "no:cacheprovider", f"--cudagraph-report={report}"]
+    res = pytester.runpytest_subprocess(*args, *(["-n", "2"] if xdist else []))
+    res.assert_outcomes(passed=3)
+    res.stdout.fnmatch_lines([
+        "*= cudagraph sanitizer =*",
+        "test_s.py::test_pins_a_pool: pinned_pool: pool (0, *) on device 0*",
+        "*pinned by a tensor (64,) float32 held as key `last` of a dict (global `CACHE` of module test_s)*",
+        "*captured at *test_s.py:11 in _capture",
+    ], consecutive=False)
+    res.stdout.fnmatch_lines(["test_s.py::test_keeps_a_graph: unreleased_graph: pool*", "2 sanitizer finding(s)"])
+    data = json.loads(report.read_text())
+    by_kind = {f["kind"]: f for f in data["sanitizer"]}
+    assert set(by_kind) == {"pinned_pool", "unreleased_graph"}  # test_clean left nothing
+    pinned = by_kind["pinned_pool"]
+    assert pinned["tests"] == ["test_s.py::test_pins_a_pool"] and pinned["sites"][0].endswith("test_s.py:11 in _capture")
+    assert pinned["pins"][0]["cause"] == "python_reference"
+    assert data["totals"]["sanitizer_findings"] == 2
