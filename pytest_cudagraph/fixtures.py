@@ -68,7 +68,8 @@ def _worker_env(s: dict[str, Any], sanitize: str | None = None) -> dict[str, str
     mode = sanitize or s["sanitize"]
     if mode == "off":
         return {}
-    return {"CUDAGRAPH_SANITIZE": mode, "CUDAGRAPH_SANITIZE_BACKEND": s["backend"]}
+    return {"CUDAGRAPH_SANITIZE": mode, "CUDAGRAPH_SANITIZE_BACKEND": s["backend"],
+            "CUDAGRAPH_EXPANDABLE_TEARDOWN": s["expandable_teardown"]}
 
 
 def _new_worker(config: pytest.Config, name: str, sanitize: str | None = None) -> ReusedWorker:
@@ -93,7 +94,8 @@ def _cudagraph_sanitize(request: pytest.FixtureRequest):
     nodeid = request.node.nodeid
     limits = budgets(request.node)
     backend = get_backend(effective_backend(request.config))
-    san = PoolSanitizer(backend, mode=s["sanitize"], scope=nodeid).start()
+    san = PoolSanitizer(backend, mode=s["sanitize"], scope=nodeid,
+                        expandable_teardown=s["expandable_teardown"]).start()
     if limits.get("max_pool_bytes") is not None:
         ledger.watch_pool_bytes(nodeid)  # pools released and flushed during the test count at their peak
     try:

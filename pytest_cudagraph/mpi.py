@@ -119,7 +119,7 @@ def _call_all(ranks: int, payload: bytes, path: list[str]) -> list[tuple]:
         _executor = MPIPoolExecutor(max_workers=ranks, path=path)
         _executor_size = ranks
         _rank_procs.clear()
-        for rank, pid, _, host in _run_batch(ranks, cloudpickle.dumps((socket.gethostname, (), {}))):
+        for rank, pid, _, host in _run_batch(ranks, cloudpickle.dumps((socket.gethostname, (), {}, None))):
             _rank_procs[rank] = (host, pid)
     return _run_batch(ranks, payload)
 

@@ -101,6 +101,7 @@ def write(path: str, s: dict, state: dict, exitstatus: int) -> None:
             "gpus": s.get("gpus"),
             "start_method": s.get("start_method_effective"),
             "sanitize": s["sanitize"],
+            "expandable_teardown": s["expandable_teardown"],
             "max_growth": s["max_growth"],
             "exitstatus": int(exitstatus),
         },

@@ -103,10 +103,15 @@ class EngineSequence:
         kind = type(e).__name__
         first = str(e).strip().splitlines()[0] if str(e).strip() else kind
         stale = "use_count > 0" in str(e) or "StalePoolError" in str(e)
+        problems = [{"kind": "stale" if stale else "error", "message": f"{kind}: {first}", "bytes": 0, "stacks": []}]
+        for h in getattr(e, "hazards", []):  # what the sanitizer saw coming, written before the crash
+            problems.append({"kind": "expandable_teardown", "bytes": h["live_bytes"], "stacks": [],
+                             "message": f"before the crash, the last graph of pool {tuple(h['pool_id'])} was reset "
+                                        f"at {h.get('reset_site') or '(unknown)'} while {h['live_bytes']} bytes of it "
+                                        "were alive, under expandable_segments:True"})
         return {"index": i, "pid": getattr(self.worker, "pid", None), "rank": None, "backend": self.backend,
                 "engine": f"{self._request.node.nodeid} [engine {i}]", "verdict": "stale" if stale else "error",
-                "failed": True, "pool_ids": [], "problems": [{"kind": "stale" if stale else "error",
-                                                              "message": f"{kind}: {first}", "bytes": 0, "stacks": []}]}
+                "failed": True, "pool_ids": [], "problems": problems}
 
     def __call__(self, factory: Callable[[Any], Any], n: int | None = None, *, check: bool = True,
                  output: str = "hold", atol: float = 1e-4, reload: Callable[[Any], Any] | None = None) -> list[dict]:

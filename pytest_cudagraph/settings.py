@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from cudagraph_lifecycle.choices import BACKEND_NAMES, SANITIZE_MODES
+from cudagraph_lifecycle.choices import BACKEND_NAMES, EXPANDABLE_TEARDOWN, SANITIZE_MODES
 
 from .gpu import visible_gpu_count
 from .worker import START_METHODS
@@ -50,6 +50,10 @@ OPTIONS = [
            "pool sanitizer in reused workers and cudagraph-marked tests: off, on (stale captures raise "
            "StalePoolError; findings reported), strict (findings, reused pools and pool_ids() mismatches fail "
            "the test)", choices=SANITIZE_MODES),
+    Option("expandable-teardown", "CUDAGRAPH_EXPANDABLE_TEARDOWN", "cudagraph_expandable_teardown", "refuse",
+           "under expandable_segments:True, a reset that tears down a pool while blocks of it live (freeing them "
+           "later crashed torch 2.11): refuse (not done, ExpandableSegmentsHazardError) or report (a finding only; "
+           "strict always refuses)", choices=EXPANDABLE_TEARDOWN),
     Option("max-growth", "CUDAGRAPH_MAX_GROWTH", "cudagraph_max_growth", None,
            "fail an engine whose default-pool growth (weights, workspaces, caches it leaves behind) exceeds "
            "this many bytes (suffixes KiB, MiB, GiB; default: growth is reported, never a failure)", kind="bytes"),

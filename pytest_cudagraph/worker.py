@@ -48,12 +48,14 @@ class WorkerError(Exception):
 
 
 class WorkerCrashed(WorkerError):
-    """The child died during a call: signal or exit code, and the tail of its stderr."""
+    """The child died during a call: signal or exit code, the tail of its stderr, and the teardown hazards
+    the sanitizer recorded in it before (``hazards``: dicts with pool_id, live_bytes, reset_site, test)."""
 
-    def __init__(self, message: str, exitcode: int | None, stderr_tail: str):
+    def __init__(self, message: str, exitcode: int | None, stderr_tail: str, hazards: list[dict] | None = None):
         super().__init__(message)
         self.exitcode = exitcode
         self.stderr_tail = stderr_tail
+        self.hazards = list(hazards or [])
 
 
 class WorkerTimeout(WorkerError):
@@ -279,6 +281,7 @@ def _pid_in_use(pid: int) -> bool:
 
 
 TAG_VAR = "CUDAGRAPH_WORKER_TAG"  # in a child's environment, inherited by everything it starts
+HAZARD_VAR = "CUDAGRAPH_HAZARD_FILE"  # where the child's ledger writes teardown hazards as they happen
 
 
 def _tagged(tag: str) -> list[int]:
@@ -358,8 +361,41 @@ def _end_child(proc, conn, stderr_path: str | None, tag: str | None = None, tree
             pass
     if conn is not None:
         conn.close()
-    if stderr_path and os.path.exists(stderr_path):
-        os.unlink(stderr_path)
+    for path in (stderr_path, _hazard_path(stderr_path)):
+        if path and os.path.exists(path):
+            os.unlink(path)
+
+
+def _hazard_path(stderr_path: str | None) -> str | None:
+    return None if not stderr_path else stderr_path + ".hazards"
+
+
+def read_hazards(path: str | None) -> list[dict]:
+    """The teardown hazards a child wrote before it died (JSON lines; a torn last line is skipped)."""
+    import json
+
+    if not path or not os.path.exists(path):
+        return []
+    out = []
+    with open(path, errors="replace") as f:
+        for line in f:
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+    return out
+
+
+def describe_hazards(hazards: list[dict]) -> str:
+    """The crash report's lines for hazards recorded before the crash."""
+    if not hazards:
+        return ""
+    lines = ["--- the sanitizer recorded before the crash: a pool torn down while blocks of it lived, under "
+             "expandable_segments:True (freeing them crashes the process) ---"]
+    for h in hazards:
+        lines.append(f"pool {tuple(h['pool_id'])} on device {h['device']}: {h['live_bytes']} bytes alive at the "
+                     f"reset at {h.get('reset_site') or '(unknown)'}" + (f" (test {h['test']})" if h.get("test") else ""))
+    return "\n" + "\n".join(lines)
 
 
 def _end_dropped(owner: int, proc, conn, stderr_path: str, tag: str, name: str) -> None:
@@ -452,7 +488,7 @@ class ReusedWorker:
         parent, child = ctx.Pipe(duplex=True)
         parent_pid = None if self.start_method == "forkserver" else os.getpid()  # forkserver's is its server
         tag = f"{os.getpid()}-{next(_tags)}"
-        env = {**self.env, TAG_VAR: tag}
+        env = {**self.env, TAG_VAR: tag, HAZARD_VAR: _hazard_path(stderr_path)}
         proc = ctx.Process(target=_child_main, args=(child, stderr_path, list(sys.path), env, parent_pid),
                            daemon=True)
         if self.start_method != "fork":
@@ -531,12 +567,14 @@ class ReusedWorker:
         if frames:
             msg += ("\n--- innermost frames at the crash (faulthandler, most recent call first) ---\n"
                     + "\n".join(frames))
+        hazards = read_hazards(_hazard_path(self._stderr_path))
+        msg += describe_hazards(hazards)
         causes = [ln for ln in self.key_lines() if ln not in tail]
         if causes:
             msg += "\n--- cause lines from the worker's stderr ---\n" + "\n".join(causes)
         if tail.strip():
             msg += f"\n--- last lines of the worker's stderr ---\n{tail.rstrip()}"
-        return WorkerCrashed(msg, code, tail)
+        return WorkerCrashed(msg, code, tail, hazards)
 
     def _timeout_report(self, proc, during: str) -> WorkerTimeout:
         try:

@@ -285,38 +285,46 @@ def checked_runner_catches_its_bugs():
 
 
 _EXPANDABLE = """
-import sys, torch
+import os, sys, torch
 mode = {mode!r}
 from cudagraph_lifecycle import PoolSanitizer
 from cudagraph_lifecycle.errors import ExpandableSegmentsHazardError
-san = PoolSanitizer("cuda", mode=mode).start() if mode else None
-x = torch.ones(1 << 20, device="cuda")
+san = None
+if mode:
+    san = PoolSanitizer("cuda", mode="on" if mode == "report" else mode,
+                        expandable_teardown="report" if mode == "report" else "refuse").start()
 s = torch.cuda.Stream()
 with torch.cuda.stream(s):
-    x * 2  # cuBLAS and friends out of the capture
+    torch.ones(4, device="cuda") * 2
 torch.cuda.synchronize()
 g = torch.cuda.CUDAGraph()
 with torch.cuda.graph(g, pool=torch.cuda.graph_pool_handle(), stream=s):
-    y = x * 2
+    t = torch.empty(100 << 20, dtype=torch.uint8, device="cuda")
+    del t  # one expansion maps the temporary's pages; the blocks below carve them up
+    xs = [torch.empty(2 << 20, dtype=torch.uint8, device="cuda") for _ in range(20)]
+kept = xs[0::2]
+del xs
 try:
-    g.reset()  # the pool's last graph, while y (a block of the pool) is alive
+    g.reset()  # the pool's last graph, while every other block is alive
     print("reset", flush=True)
 except ExpandableSegmentsHazardError as e:
-    print("refused:", str(e).splitlines()[0][:80], flush=True)
-del y  # plain PyTorch: freeing the block now touches the torn-down pool
-torch.cuda.synchronize()
+    print("refused:", str(e).splitlines()[0][:60], flush=True)
 torch.cuda.empty_cache()
-g.reset()
-z = torch.ones(8, device="cuda") * 3
-torch.cuda.synchronize()
 if san is not None:
     print("findings:", [f.kind for f in san.findings()], flush=True)
+del kept  # plain PyTorch: the pool was erased under these blocks
+g.reset()
+torch.cuda.synchronize()
+torch.cuda.empty_cache()
+z = torch.ones(8, device="cuda") * 3
+torch.cuda.synchronize()
 print("survived", flush=True)
 """
 
 
 def expandable_segments_teardown_in_fresh_processes():
-    """Each in a fresh process with expandable segments: plain PyTorch, then under the sanitizer (on, strict)."""
+    """Each in a fresh process with expandable segments: plain PyTorch, then under the sanitizer (on, which
+    refuses; on with report, which does not; strict)."""
     import os
     import subprocess
     import sys
@@ -324,10 +332,29 @@ def expandable_segments_teardown_in_fresh_processes():
     out = {}
     env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
     env.pop("CUDAGRAPH_SANITIZE", None)
-    for mode in (None, "on", "strict"):
+    for mode in (None, "on", "report", "strict"):
         p = subprocess.run([sys.executable, "-c", _EXPANDABLE.format(mode=mode)], capture_output=True,
                            text=True, timeout=120, env=env)
         out[mode or "plain"] = {
             "rc": p.returncode, "stdout": p.stdout.strip().splitlines(),
             "stderr_tail": [ln for ln in p.stderr.strip().splitlines() if ln.strip()][-3:]}
     return out
+
+
+def crash_after_a_reported_teardown():
+    """In a reused worker whose sanitizer only reports (CUDAGRAPH_EXPANDABLE_TEARDOWN=report): the order that
+    crashes torch 2.11. The worker dies; its crash report must carry the hazard."""
+    s = torch.cuda.Stream()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, pool=torch.cuda.graph_pool_handle(), stream=s):
+        t = torch.empty(100 << 20, dtype=torch.uint8, device="cuda")
+        del t
+        xs = [torch.empty(2 << 20, dtype=torch.uint8, device="cuda") for _ in range(20)]
+    kept = xs[0::2]
+    del xs
+    g.reset()
+    torch.cuda.empty_cache()
+    del kept
+    torch.cuda.synchronize()
+    torch.ones(8, device="cuda").sum().item()
+    return "survived"

@@ -5,7 +5,7 @@ import budget_cases
 import pytest
 import torch
 
-from cudagraph_lifecycle import PoolSanitizer
+from cudagraph_lifecycle import PoolSanitizer, StalePoolError
 from cudagraph_lifecycle.backends.sim import SimBackend
 from cudagraph_lifecycle.conformance import Ctx
 from cudagraph_lifecycle.errors import ExpandableSegmentsHazardError
@@ -91,39 +91,95 @@ def test_within(engine_sequence):
     res.assert_outcomes(passed=3)
 
 
-def _expandable(mode: str | None):
+def _expandable(mode: str | None, teardown: str = "refuse"):
     be = SimBackend(expandable_segments=True)
     c = Ctx(be)
-    san = PoolSanitizer(be, mode=mode).start() if mode else None
+    san = PoolSanitizer(be, mode=mode, expandable_teardown=teardown).start() if mode else None
     g = be.new_graph()
     y = c.step(g, be.graph_pool_handle())
     return be, g, y, san
 
 
-def test_expandable_teardown_runs_on_as_measured_and_is_reported_by_on_refused_by_strict():
+def test_expandable_teardown_is_refused_by_on_unless_report_and_always_by_strict():
     be, g, y, _ = _expandable(None)
-    g.reset()  # the last graph goes while `y` lives: on the H200 with torch 2.11 plain PyTorch carries on
+    g.reset()  # the last graph goes while `y` lives; freeing `y` before the flush is the safe order
     del y
     be.empty_cache()
     assert torch.isfinite(be.randn(4)).all() and be.pool_state(g.pool(), 0).reserved_bytes == 0
 
-    be, g, y, san = _expandable("on")
-    g.reset()  # on: reported, not refused
-    del y
-    finding = san.findings()
-    assert [f.kind for f in finding] == ["expandable_teardown"] and finding[0].bytes == 16384
-    assert "can crash the process" in finding[0].message
-    assert finding[0].sites and "test_budgets_reload_hazard.py" in finding[0].sites[0]
-    san.stop()
-
-    be, g, y, san = _expandable("strict")
-    with pytest.raises(ExpandableSegmentsHazardError, match="while 16384 bytes allocated in its captures are alive"):
+    for mode, teardown in (("on", "refuse"), ("strict", "refuse"), ("strict", "report")):
+        be, g, y, san = _expandable(mode, teardown)
+        with pytest.raises(ExpandableSegmentsHazardError, match=r"test_budgets_reload_hazard.py:\d+ in test_expandable"
+                                                                r".* while 16384 bytes allocated in its captures"):
+            g.reset()
+        del y  # the right order: blocks first, then the graph
         g.reset()
-    del y  # the right order: blocks first, then the graph
-    g.reset()
-    be.randn(4)
-    assert [f.kind for f in san.findings()] == ["expandable_teardown"]
+        be.empty_cache()
+        be.randn(4)
+        (f,) = san.findings()
+        assert f.kind == "expandable_teardown" and f.bytes == 16384 and "test_budgets_reload_hazard.py" in f.sites[0]
+        san.stop()
+
+    be, g, y, san = _expandable("on", "report")
+    g.reset()  # reported, not refused: the user opted out
+    del y
+    (f,) = san.findings()
+    assert f.kind == "expandable_teardown" and "can crash the process" in f.message
     san.stop()
+    with pytest.raises(Exception, match="expandable_teardown='never': choose 'refuse'"):
+        PoolSanitizer(be, expandable_teardown="never")
+
+
+def test_under_expandable_segments_a_released_pool_stays_dead_after_the_flush():
+    """All blocks freed and the cache flushed, the allocator may still keep the pool (no segment, a count of
+    expansions not unmapped): a capture into its id asserts. The sanitizer stops it before."""
+    be = SimBackend(expandable_segments=True)
+    c = Ctx(be)
+    with PoolSanitizer(be) as san:
+        h, g = be.graph_pool_handle(), be.new_graph()
+        xs = c.capture(g, h, lambda: [be.empty(2 << 18) for _ in range(20)])
+        del xs
+        g.reset()  # nothing alive: no hazard
+        be.empty_cache()
+        be.host_empty_cache()
+        assert be.pool_state(h).reserved_bytes == 0 and be.would_assert(h)  # a zombie: nothing shows, it asserts
+        with pytest.raises(StalePoolError):
+            c.step(be.new_graph(), h)
+        assert san.stale_caught == 1 and not san.findings()
+    assert torch.isfinite(be.randn(4)).all()  # stopped before the allocator: the process is fine
+
+
+CRASHING_TEARDOWN = """
+from cudagraph_lifecycle.backends import get_backend
+from cudagraph_lifecycle.conformance import Ctx, _carve
+
+def crash():
+    be = get_backend("sim")
+    _, g, kept = _carve(Ctx(be), 100 << 20, 20, 2 << 20)
+    g.reset()        # reported only (CUDAGRAPH_EXPANDABLE_TEARDOWN=report)
+    be.empty_cache()
+    del kept          # a use after free: the simulated allocator crashes the process, as CUDA did
+    be.empty(4)
+"""
+
+
+def test_a_worker_that_crashes_after_a_recorded_hazard_says_so(tmp_path, monkeypatch):
+    from pytest_cudagraph.worker import ReusedWorker, WorkerCrashed
+
+    (tmp_path / "crashing_teardown.py").write_text(CRASHING_TEARDOWN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import crashing_teardown
+
+    env = {"CUDAGRAPH_SANITIZE": "on", "CUDAGRAPH_SANITIZE_BACKEND": "sim", "CUDAGRAPH_EXPANDABLE_TEARDOWN": "report",
+           "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    with ReusedWorker(env=env, name="hazard") as w:
+        with pytest.raises(WorkerCrashed) as e:
+            w.call(crashing_teardown.crash)
+    assert "killed by signal SIGSEGV" in str(e.value)
+    (h,) = e.value.hazards
+    assert h["live_bytes"] == 10 * (2 << 20) and h["reset_site"].endswith("crashing_teardown.py:8 in crash")
+    assert "the sanitizer recorded before the crash" in str(e.value)
+    assert f"{10 * (2 << 20)} bytes alive at the reset at" in str(e.value)
 
 
 def test_without_expandable_segments_the_same_order_is_fine():
@@ -134,3 +190,55 @@ def test_without_expandable_segments_the_same_order_is_fine():
         g.reset()
         del y
         assert torch.isfinite(be.randn(4)).all() and "expandable_teardown" not in [f.kind for f in san.findings()]
+
+
+TEARDOWN_ENGINE = '''
+from cudagraph_lifecycle.conformance import Ctx, _carve
+
+class KeepsBlocks:
+    """Keeps every other block of its capture across its release: the order that crashed torch 2.11."""
+    def __init__(self, backend):
+        self.be = backend
+    def capture(self):
+        self.pool, self.graph, self.kept = _carve(Ctx(self.be), 100 << 20, 20, 2 << 20)
+    def run(self, x):
+        return x
+    def release(self):
+        self.graph.reset()
+        self.be.empty_cache()
+        del self.kept
+        self.be.empty(4)
+
+def keeps_blocks(backend):
+    return KeepsBlocks(backend)
+'''
+
+
+@pytest.mark.parametrize("teardown", ["refuse", "report"])
+def test_engine_sequence_under_expandable_segments(pytester, monkeypatch, teardown):
+    """refuse (the default): the reset is refused, the cycle fails with expandable_teardown and the worker
+    lives; report: the worker crashes, and the cycle's record says what the sanitizer saw first."""
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    pytester.makepyfile(teardown_engines=TEARDOWN_ENGINE, test_t='''
+        import pytest
+        from pytest_cudagraph import EngineCycleError
+        from teardown_engines import keeps_blocks
+
+        def test_seq(engine_sequence):
+            with pytest.raises(EngineCycleError):
+                engine_sequence(keeps_blocks, 1)
+            (rec,) = engine_sequence.records
+            print("KINDS", [p["kind"] for p in rec["problems"]])
+            print("MESSAGES", [p["message"].splitlines()[0] for p in rec["problems"]])
+    ''')
+    res = pytester.runpytest_subprocess("-p", "cudagraph", "-p", "no:cacheprovider", "-s", "--cudagraph-backend=sim",
+                                        f"--cudagraph-expandable-teardown={teardown}")
+    res.assert_outcomes(passed=1)
+    out = res.stdout.str()
+    site = "teardown_engines.py:12 in release while 20971520 bytes"
+    if teardown == "refuse":
+        assert "KINDS ['expandable_teardown', " in out and "killed by signal" not in out
+        assert "ExpandableSegmentsHazardError: reset of the last graph of pool (0, 1)" in out and site in out
+    else:
+        assert "KINDS ['error', 'expandable_teardown']" in out
+        assert "killed by signal SIGSEGV" in out and "was reset at " in out and site in out

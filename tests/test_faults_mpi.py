@@ -52,6 +52,27 @@ def segv_on_rank_1():
 SEGV_AT = f"{__file__}:{segv_on_rank_1.__code__.co_firstlineno + 4} in segv_on_rank_1"
 
 
+def crash_after_hazard_on_rank_1():
+    """Rank 1 tears down a pool with live blocks under expandable segments (only reported), then frees them:
+    the simulated allocator crashes the rank, as torch 2.11 did on the H200."""
+    if rank() != 1:
+        return
+    from cudagraph_lifecycle import PoolSanitizer
+    from cudagraph_lifecycle.backends.sim import SimBackend
+    from cudagraph_lifecycle.conformance import Ctx, _carve
+
+    be = SimBackend(expandable_segments=True)
+    PoolSanitizer(be, expandable_teardown="report").start()
+    _, g, kept = _carve(Ctx(be), 100 << 20, 20, 2 << 20)
+    g.reset()
+    be.empty_cache()
+    del kept
+    be.empty(4)
+
+
+HAZARD_AT = f"{__file__}:{crash_after_hazard_on_rank_1.__code__.co_firstlineno + 12} in crash_after_hazard_on_rank_1"
+
+
 def hang_on_rank_0():
     if rank() == 0:
         time.sleep(30)
@@ -118,6 +139,10 @@ class Row:
 ROWS = [
     Row("rank-segfaults", "rank 1 segfaults in C (ctypes.string_at(0))", lambda r: r.call_all(segv_on_rank_1),
         WorkerCrashed, ("rank 1", "died during the call", "Segmentation fault", SEGV_AT), replaced=True),
+    Row("rank-crashes-after-a-recorded-hazard", "rank 1 frees blocks of a pool torn down under expandable segments",
+        lambda r: r.call_all(crash_after_hazard_on_rank_1), WorkerCrashed,
+        ("rank 1", "died during the call", "the sanitizer recorded before the crash",
+         f"20971520 bytes alive at the reset at {HAZARD_AT}"), replaced=True),
     Row("rank-hangs", "rank 0 sleeps 30 s under a 3 s timeout", lambda r: r.call_all(hang_on_rank_0),
         WorkerTimeout, ("past the timeout of 3s", "in _run_batch"), replaced=True, timeout=3),
     Row("rank-raises", "rank 1 raises ValueError", lambda r: r.call_all(raise_on_rank_1),

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import os
 import sys
 import threading
@@ -29,6 +30,8 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
+
+HAZARD_FILE = "CUDAGRAPH_HAZARD_FILE"  # where a worker's teardown hazards go as they happen (JSON lines)
 
 PoolId = tuple[int, int]
 Key = tuple[Any, int, PoolId]  # (allocator world, device, pool id)
@@ -325,6 +328,8 @@ class Ledger:
         key = e.key
         if e.dead:
             self.dead[key] = e
+            if len(self.dead) > _REMEMBERED:  # under expandable segments dead pools are never settled away
+                self._forget_oldest_dead()
             return
         self.dead.pop(key, None)
         if not (e.device_alive or e.host_alive or e.graphs or e.device_extra):
@@ -332,6 +337,18 @@ class Ledger:
             self.erased[key] = (e.scopes, e.minted_at, e.tests, e.sites)
             while len(self.erased) > _REMEMBERED:
                 self.erased.popitem(last=False)
+
+    def _forget_oldest_dead(self) -> None:
+        """A process that never learns whether its released pools went (expandable segments) must not grow
+        for ever: forget the oldest dead pool with no graph left (a capture into it is then not judged)."""
+        for key, e in self.dead.items():
+            if not e.graphs:
+                del self.dead[key]
+                self.pools.pop(key, None)
+                self.erased[key] = (e.scopes, e.minted_at, e.tests, e.sites)
+                while len(self.erased) > _REMEMBERED:
+                    self.erased.popitem(last=False)
+                return
 
     def later(self, key: Key | None, fn: Callable[..., None], *args: Any) -> None:
         """Queue ``fn(*args)``, an event about pool ``key``, for the next ledger operation (for weak-reference
@@ -473,8 +490,23 @@ class Ledger:
                 self.unreplayed_by_scope[g.scope] = self.unreplayed_by_scope.get(g.scope, 0) + 1
 
     def note_hazard(self, hazard: TeardownHazard) -> None:
+        """Record a teardown hazard, and (where ``CUDAGRAPH_HAZARD_FILE`` names a file: a reused worker or
+        rank) append it there at once: the crash it announces may leave no other record."""
         with self.lock:
             self.hazards.append(hazard)
+        path = os.environ.get(HAZARD_FILE)
+        if path:
+            line = json.dumps({"pid": os.getpid(), "pool_id": list(hazard.key[2]), "device": hazard.key[1],
+                               "live_bytes": hazard.live_bytes, "reset_site": hazard.reset_site,
+                               "test": hazard.test, "engine": hazard.scope, "sites": list(hazard.sites)})
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+                try:
+                    os.write(fd, (line + "\n").encode())
+                finally:
+                    os.close(fd)
+            except OSError:
+                pass  # the hazard is still in the ledger
 
     def pool_reference(self, world: Any, device: int, pool: PoolId, delta: int, where: Stack | str) -> None:
         """A reference taken (MemPool born, warm-up allocation begun) or given back outside any graph."""

@@ -159,6 +159,7 @@ def check_held(be: Backend, caller: Caller, current: set[Key]) -> CycleRecord | 
     caller.held_record, caller.held_pools = None, []
     settle(be)
     left = sum(be.pool_state(k[2], k[1]).reserved_bytes for k in pools)
+    left -= min(left, rec.leaked_bytes)  # judged leaked already (the output pinned none of it)
     if left:
         rec.held_bytes = max(0, rec.held_bytes - left)
         rec.leaked_bytes += left

@@ -238,8 +238,10 @@ def flush(parse, hooks: Hooks, original, host: bool):
         if be is not None:
             if host:
                 led.host_flushed(be.world)
-            else:
+            elif not be.expandable_segments():
                 led.device_flushed(be.world, functools.partial(_reader_of, weakref.ref(be)))
+            # under expandable segments a released pool with no segment left may still be in the allocator's
+            # books (its count of expansions not yet unmapped): it stays dead (sim_expandable.py)
         return out
 
     return wrapper

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from ..backends import get_backend
+from ..choices import EXPANDABLE_TEARDOWN
 from ..errors import ConfigError
 from .pool_sanitizer import PoolSanitizer
 
@@ -15,7 +16,8 @@ _ON = ("1", "on", "true", "yes")
 
 def install_from_env(environ: dict[str, str] | None = None) -> PoolSanitizer | None:
     """Install a process-wide sanitizer when ``CUDAGRAPH_SANITIZE`` is ``1``/``on``/``strict``, on the
-    process's backend of kind ``CUDAGRAPH_SANITIZE_BACKEND`` (default ``auto``)."""
+    process's backend of kind ``CUDAGRAPH_SANITIZE_BACKEND`` (default ``auto``); under expandable segments
+    it refuses a hazardous teardown unless ``CUDAGRAPH_EXPANDABLE_TEARDOWN=report``."""
     global _global
     env = os.environ if environ is None else environ
     value = env.get("CUDAGRAPH_SANITIZE", "").strip().lower()
@@ -26,13 +28,18 @@ def install_from_env(environ: dict[str, str] | None = None) -> PoolSanitizer | N
             f"CUDAGRAPH_SANITIZE={env.get('CUDAGRAPH_SANITIZE')!r} is not a sanitizer mode: "
             "set it to 1 (or on), strict, or 0 (off)")
     mode = "strict" if value == "strict" else "on"
+    teardown = env.get("CUDAGRAPH_EXPANDABLE_TEARDOWN", "").strip().lower() or "refuse"
+    if teardown not in EXPANDABLE_TEARDOWN:
+        raise ConfigError(
+            f"CUDAGRAPH_EXPANDABLE_TEARDOWN={env.get('CUDAGRAPH_EXPANDABLE_TEARDOWN')!r}: set it to refuse (the "
+            "default: a pool torn down with live blocks under expandable segments is not reset) or report")
     kind = env.get("CUDAGRAPH_SANITIZE_BACKEND", "auto").strip() or "auto"
     try:
         backend = get_backend(kind)
     except ConfigError as e:
         raise ConfigError(f"CUDAGRAPH_SANITIZE_BACKEND={kind!r}: {e}") from None
     if _global is None or not _global.active:
-        _global = PoolSanitizer(backend, mode=mode).start()
+        _global = PoolSanitizer(backend, mode=mode, expandable_teardown=teardown).start()
     return _global
 
 

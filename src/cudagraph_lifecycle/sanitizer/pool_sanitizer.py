@@ -23,7 +23,7 @@ from typing import Any
 from .. import observe
 from ..backends import Backend, PoolId, get_backend
 from ..checks import mode as checked_mode
-from ..choices import SANITIZE_MODES
+from ..choices import EXPANDABLE_TEARDOWN, SANITIZE_MODES
 from ..errors import ConfigError
 from ..ledger import StaleAttempt, TeardownHazard, ledger
 from .findings import Finding, collect
@@ -34,18 +34,24 @@ class PoolSanitizer:
     """See the module docstring.
 
     ``mode``: ``on`` raises :class:`StalePoolError` on a stale capture; ``strict`` also makes :meth:`check`
-    raise on findings and refuses a reset that would tear down a pool with live blocks under expandable
-    segments (:class:`ExpandableSegmentsHazardError`; ``on`` reports it as a finding). ``record_history``
+    raise on findings. Under ``expandable_segments:True`` a reset that would tear down a pool while blocks of
+    it live (freeing them afterwards crashed torch 2.11 on the H200) raises
+    :class:`ExpandableSegmentsHazardError` and is not done, unless ``expandable_teardown="report"`` (then it
+    is a finding only; ``strict`` refuses it always). ``record_history``
     records an allocation stack for every block, so pinned pools are reported with the lines that allocated
     what pins them. ``scope`` limits findings to one engine scope.
     """
 
     def __init__(self, backend: Backend | str = "auto", mode: str = "on", record_history: bool = False,
-                 scope: str | None = None):
+                 scope: str | None = None, expandable_teardown: str = "refuse"):
         if mode not in SANITIZE_MODES or mode == "off":
             raise ConfigError(f"sanitizer mode {mode!r}: choose 'on' or 'strict' (use no sanitizer for 'off')")
+        if expandable_teardown not in EXPANDABLE_TEARDOWN:
+            raise ConfigError(f"expandable_teardown={expandable_teardown!r}: choose 'refuse' (the default) or "
+                              "'report'")
         self.backend = get_backend(backend)
         self.mode = mode
+        self.expandable_teardown = expandable_teardown
         self.record_history = record_history
         self.scope = scope
         self.active = False
@@ -55,9 +61,8 @@ class PoolSanitizer:
 
     def _judge(self, event: StaleAttempt | TeardownHazard) -> None:
         if isinstance(event, TeardownHazard):
-            # reported by peers as a crash, not reproduced on the H200 with torch 2.11: refused only in strict
-            if self.mode == "strict":
-                raise hazard_error(event)
+            if self.mode == "strict" or self.expandable_teardown == "refuse":
+                raise hazard_error(event, self.mode)
             return
         raise stale_error(self.backend, event)
 

@@ -35,15 +35,22 @@ def stale_error(backend: Backend, attempt: StaleAttempt) -> StalePoolError:
     return err
 
 
-def hazard_error(hazard: TeardownHazard) -> ExpandableSegmentsHazardError:
+def hazard_error(hazard: TeardownHazard, mode: str = "on") -> ExpandableSegmentsHazardError:
     """The error for resetting a pool's last graph while blocks of it live, under expandable segments."""
     _, device, pool_id = hazard.key
     stacks = "".join(f"--- a live block allocated at ---\n{s}" for s in hazard.stacks) or (
         "(allocation stacks: record history, e.g. PoolSanitizer(record_history=True))\n")
-    return ExpandableSegmentsHazardError(
-        f"reset of the last graph of pool {tuple(pool_id)} on device {device} while {hazard.live_bytes} bytes "
-        "allocated in its captures are alive, under expandable_segments:True: TensorRT-LLM reports that freeing "
-        "such blocks after the teardown crashes the process (SIGSEGV or a cudaMalloc_count assert). Drop (or copy "
-        "out and drop) every output and tensor of the pool's captures before the reset, so the graph goes last. "
-        f"The graph was NOT reset (strict sanitizer).{f' The pool was made by {hazard.owner}.' if hazard.owner else ''}\n"
+    why = "strict sanitizer" if mode == "strict" else (
+        "expandable_teardown=refuse; to only report it: CUDAGRAPH_EXPANDABLE_TEARDOWN=report or "
+        "--cudagraph-expandable-teardown=report")
+    err = ExpandableSegmentsHazardError(
+        f"reset of the last graph of pool {tuple(pool_id)} on device {device} at {hazard.reset_site or '(unknown)'} "
+        f"while {hazard.live_bytes} bytes allocated in its captures are alive, under expandable_segments:True: "
+        "freeing such blocks after the pool's teardown crashed torch 2.11 on the H200 (SIGSEGV, a glibc abort, "
+        "or 'cudaMalloc_count > 0 INTERNAL ASSERT FAILED' in empty_cache). Drop (or copy out and drop) every "
+        "output and tensor of the pool's captures before the reset, so the graph goes last. "
+        f"The graph was NOT reset ({why}).{f' The pool was made by {hazard.owner}.' if hazard.owner else ''}\n"
         f"--- the reset at ---\n{hazard.reset_at}{stacks}")
+    err.pool_id, err.device, err.live_bytes, err.reset_site = tuple(pool_id), device, hazard.live_bytes, \
+        hazard.reset_site
+    return err
