@@ -13,6 +13,9 @@ def _who(c: dict) -> str:
 
 
 def _mib(n: int) -> str:
+    """Bytes as the table shows them: 0, 512B, 34.0M (MiB), with the sign of a negative figure."""
+    if n < 0:
+        return "-" + _mib(-n)
     return "0" if not n else f"{n / 2**20:.1f}M" if n >= 2**20 else f"{n}B"
 
 
@@ -32,6 +35,10 @@ def lifecycle_section(tr: Any, state: dict, backend: str | None) -> None:
             f"{c.get('capture_ms', 0.0):>10.1f} {_mib(c.get('pool_bytes', 0)):>7} {_mib(c.get('held_bytes', 0)):>7} "
             f"{_mib(c.get('leaked_bytes', 0)):>7} {_mib(c.get('growth_bytes', 0)):>7} {verdict}"
         )
+        if c.get("freed_earlier_bytes"):
+            tr.write_line(f"{'':<48}  default pool: {_mib(c['freed_earlier_bytes'])} held from before this engine went "
+                          "during it (library workspaces torch._dynamo.reset() drops, an earlier engine's caches); "
+                          "growth counts what an engine leaves")
         if c.get("graph_bytes"):
             per = ", ".join(f"{k}: {_mib(v)}" for k, v in c["graph_bytes"].items())
             tr.write_line(f"{'':<48}  pool bytes per graph (batch: bytes its capture added): {per}")

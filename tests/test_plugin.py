@@ -347,3 +347,38 @@ def test_engine_that_never_releases(pytester):
     res = run(pytester, "--cudagraph-sanitize=strict")
     res.assert_outcomes(failed=1)
     res.stdout.fnmatch_lines(["*release_incomplete: release() left 3 graph(s) captured*"])
+
+
+def test_default_pool_growth_is_what_an_engine_leaves_in_the_table_units(pytester):
+    pytester.makepyfile(growth_engines='''
+        import torch
+        from cudagraph_lifecycle import CUDAGraphRunner
+        CACHE = []
+
+        class Engine:
+            def __init__(self, backend):
+                self.be = backend
+                self.runner = CUDAGraphRunner(lambda x: x * 2, [1, 2], (8,), backend=backend)
+            def run(self, x): return self.runner.run(x)
+            def release(self):
+                self.runner.release()
+                if CACHE:
+                    CACHE.clear()  # drops what the engine before it left behind
+                else:
+                    CACHE.append(self.be.empty(1 << 20))  # 4 MiB left in the default pool
+
+        def make(backend): return Engine(backend)
+    ''', test_g='''
+        from growth_engines import make
+        def test_seq(engine_sequence):
+            first, second = engine_sequence(make, 2, output="drop")
+            assert first["growth_bytes"] >= 4 << 20 and first["freed_earlier_bytes"] == 0
+            assert second["growth_bytes"] == 0 and second["freed_earlier_bytes"] >= 4 << 20
+    ''')
+    res = pytester.runpytest_subprocess("-p", "cudagraph", "-p", "no:cacheprovider", "--cudagraph-backend=sim")
+    res.assert_outcomes(passed=1)
+    out = res.stdout.str()
+    assert "-4194304B" not in out and "B fresh" not in out
+    # the first row's growth in MiB like the other columns (20 MiB: the segment the 4 MiB block took)
+    res.stdout.fnmatch_lines(["*test_g.py::test_seq * 0 * 20.0M fresh", "*test_g.py::test_seq * 1 * 0 fresh",
+                              "*default pool: 20.0M held from before this engine went during it*"])

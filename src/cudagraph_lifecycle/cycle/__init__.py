@@ -119,7 +119,10 @@ def run_cycle(
     settle(be)
     pools = judge(be, rec, kept, output == "hold", declared)
     budget(rec, graph_bytes, max_pool_bytes, max_captures, require_replay)
-    rec.growth_bytes = be.default_pool_reserved(0) - default_before
+    delta = be.default_pool_reserved(0) - default_before
+    # growth is what the engine left behind; the default pool can also shrink over an engine, when memory held
+    # from before it goes (library workspaces that torch._dynamo.reset() drops, an earlier engine's caches)
+    rec.growth_bytes, rec.freed_earlier_bytes = max(0, delta), max(0, -delta)
     if max_growth is not None and rec.growth_bytes > max_growth:
         rec.add("growth_over_budget", f"the default pool grew by {rec.growth_bytes} bytes over this engine, above "
                                       f"the budget of {max_growth} bytes (--cudagraph-max-growth)", rec.growth_bytes)

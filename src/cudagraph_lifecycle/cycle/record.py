@@ -60,7 +60,8 @@ class CycleRecord:
     pool_bytes: int = 0  # its pools' bytes before release
     held_bytes: int = 0  # after release, pinned by the output the caller holds
     leaked_bytes: int = 0
-    growth_bytes: int = 0  # default-pool growth from before the build to after the settle
+    growth_bytes: int = 0  # what the engine left in the default pool: its growth from before the build, >= 0
+    freed_earlier_bytes: int = 0  # default-pool bytes from before the engine that went during it
     poisoned: bool = False  # the allocator asserted: this process cannot use CUDA any more
     problems: list[Problem] = field(default_factory=list)
     sanitizer: list[dict] = field(default_factory=list)
