@@ -358,3 +358,43 @@ def crash_after_a_reported_teardown():
     torch.cuda.synchronize()
     torch.ones(8, device="cuda").sum().item()
     return "survived"
+
+
+class GraphedWithBackward:
+    """A training-style engine: torch.cuda.make_graphed_callables over a module whose input requires grad, so
+    forward AND backward are graphed; make_graphed_callables warms up on a stream of its own, and backward
+    runs on autograd's thread (its own cuBLAS handle). ``warm``: forward and backward on the capture stream
+    first, the fix the finding gives."""
+
+    def __init__(self, backend, warm: bool = False):
+        self.model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(),
+                                          torch.nn.Linear(256, 256)).to("cuda")
+        self.x = torch.randn(8, 256, device="cuda", requires_grad=True)
+        self.warm = warm
+        self.graphed = None
+
+    def capture(self):
+        if self.warm:
+            graph_ctx = torch.cuda.graph
+            if graph_ctx.default_capture_stream is None:
+                graph_ctx.default_capture_stream = torch.cuda.Stream()
+            with torch.cuda.stream(graph_ctx.default_capture_stream):
+                self.model(self.x).sum().backward()
+            torch.cuda.synchronize()
+        self.graphed = torch.cuda.make_graphed_callables(self.model, (self.x,))
+
+    def run(self, x):
+        y = self.graphed(self.x)
+        y.sum().backward()
+        return y.detach().clone()
+
+    def release(self):
+        self.graphed = self.model = None
+
+
+def graphed_with_backward(backend):
+    return GraphedWithBackward(backend)
+
+
+def graphed_with_backward_warmed(backend):
+    return GraphedWithBackward(backend, warm=True)

@@ -154,3 +154,21 @@ def test_a_worker_crashing_after_a_reported_teardown_says_so():
     (h,) = e.value.hazards
     assert h["live_bytes"] == 10 * (2 << 20) and "gpu_cases.py" in h["reset_site"], h
     assert "the sanitizer recorded before the crash" in str(e.value)
+
+
+def test_what_pins_the_first_make_graphed_callables_is_named(engine_sequence):
+    """In a fresh worker: the first training-style make_graphed_callables leaves cuBLAS workspaces of its
+    captures in its pool (docs/gpu-results/2026-12-04-probe1): leaked, and the record names them; the
+    diagnosis makes them again outside any capture, so the next engine is fresh."""
+    records = engine_sequence(gpu_cases.graphed_with_backward, 2, output="drop", check=False)
+    first = records[0]
+    print("first engine:", first["verdict"], first["leaked_bytes"], first["problems"][0]["pins"])
+    assert first["verdict"] == "leaked" and first["leaked_bytes"] >= 32 << 20, first
+    (pin,) = first["problems"][0]["pins"]
+    assert pin["cause"] == "library_workspace" and pin["bytes"] >= 32 << 20 and "backward" in pin["fix"], pin
+    assert [r["verdict"] for r in records[1:]] == ["fresh"], records
+
+
+def test_warming_forward_and_backward_on_the_capture_stream_avoids_it(engine_sequence):
+    records = engine_sequence(gpu_cases.graphed_with_backward_warmed, 2, output="drop")
+    assert [r["verdict"] for r in records] == ["fresh", "fresh"], records

@@ -173,7 +173,8 @@ class PoolEntry:
     sites: list[list] = field(default_factory=list)  # the stacks of its first SITES captures
     last_seq: int = 0  # ledger sequence number of its latest capture
     retired: bool = False  # a LazyPool retired it: never to be captured into again
-    flushed: bool = False  # at use count 0 when a cache flush ran: erased or not is read at the next settle()
+    checked: int = 0  # the world's flush count when the books last showed it (or it was released): a flush
+    # after that may have erased it, which the next settle() reads
 
     @property
     def key(self) -> Key:
@@ -261,6 +262,7 @@ class Ledger:
         # world -> a function returning a reader of pool bytes, read(device, pool_id) (None once the world is
         # gone): how a settle() learns which flushed pools the flushes erased
         self.unsettled: dict[Any, Callable[[], Callable[[int, PoolId], int] | None]] = {}
+        self.flushes: dict[Any, int] = {}  # world -> device cache flushes seen
         self.generation = 0
         self.pending: deque = deque()  # (callable, args) queued by weak-reference callbacks
         self.pending_keys: set[Key] = set()  # the pools those events touch: a capture drains only for its own
@@ -277,7 +279,7 @@ class Ledger:
             container.clear()
         self.retired.clear()
         for counts in (self.captures_by_scope, self.replays_by_scope, self.unreplayed_by_scope, self.hazards,
-                       self.peak_bytes, self.unsettled):
+                       self.peak_bytes, self.unsettled, self.flushes):
             counts.clear()
         self.scope = self.test = None
         self.generation += 1
@@ -300,6 +302,7 @@ class Ledger:
         with self.lock:
             self.drain()
             self.unsettled.pop(world, None)
+            self.flushes.pop(world, None)
             for store in (self.pools, self.dead, self.erased):
                 for key in [k for k in store if k[0] == world]:
                     del store[key]
@@ -402,8 +405,8 @@ class Ledger:
             if pool is None:
                 return g
             e = self.pools.get((world, device, pool))
-            if e is None or not (e.device_alive and e.host_alive) or g.scope not in e.scopes or \
-                    (g.test is not None and g.test not in e.tests):
+            if e is None or not (e.device_alive and e.host_alive) or (g.scope is not None and g.scope not in e.scopes) \
+                    or (g.test is not None and g.test not in e.tests):
                 self._count(g)
             else:  # the common case, inline (captures are timed): a live pool taking one more graph stays live
                 e.held += 1
@@ -456,6 +459,7 @@ class Ledger:
         e.held -= 1
         if e.device_count <= 0 or e.host_count <= 0:
             e.released_at = where
+            e.checked = self.flushes.get(e.world, 0)
         self.restate(e)
 
     def graph_destroyed(self, g: GraphEntry) -> None:
@@ -517,6 +521,7 @@ class Ledger:
                 e.device_alive = True
             elif e.device_count <= 0:
                 e.released_at = where
+                e.checked = self.flushes.get(world, 0)
             self.restate(e)
 
     def device_flushed(self, world: Any, reader: Callable[[], Callable[[int, PoolId], int] | None]) -> None:
@@ -524,29 +529,31 @@ class Ledger:
         decided at the next :meth:`settle` (a query, or a capture into one of them), not here: torch.cuda.graph
         flushes at every capture, and reading the allocator's books costs ~300 us on CUDA. Deferring is exact:
         a pool's segments go only at a flush, so a pool that has none at the settle had no live block at one
-        of the flushes since it was released (and was erased there), and one that still has some was not."""
+        of the flushes since it was released (and was erased there), and one that still has some was not.
+        Nothing here walks the pools: the flush is counted, and a released pool counts as flushed once the
+        count passed what it was at its release (``PoolEntry.checked``)."""
         with self.lock:
-            self.drain()
-            flagged = False
-            for e in self.pools.values():
-                if e.world == world and e.device_count <= 0 and e.device_alive:
-                    e.flushed = flagged = True
-            if flagged:
-                self.unsettled[world] = reader
+            self.drain()  # graphs destroyed before the flush were released before it
+            self.flushes[world] = self.flushes.get(world, 0) + 1
+            self.unsettled[world] = reader
+
+    def maybe_erased(self, e: PoolEntry) -> bool:
+        """A released pool that a device flush since its release (or its last settle) may have erased."""
+        return e.device_count <= 0 and e.device_alive and self.flushes.get(e.world, 0) > e.checked
 
     def settle(self, world: Any = None) -> None:
-        """Decide which flushed pools the flushes erased: one read of the books per world (and device). A read
-        that raises changes nothing: the flags and the reader stay for the next settle."""
+        """Decide which flushed pools the flushes erased: one read of the books per world (and device), only
+        where a released pool may have gone. A read that raises changes nothing: the reader stays for the
+        next settle."""
         with self.lock:
             for w in [w for w in self.unsettled if world is None or w == world]:
-                read = self.unsettled[w]()
-                flushed = [e for e in self.pools.values() if e.world == w and e.flushed]
-                erased = [e for e in flushed
-                          if read is not None and e.device_count <= 0 and e.device_alive
-                          and read(e.device, e.pool_id) == 0]
+                flushed = [e for e in list(self.dead.values()) if e.world == w and self.maybe_erased(e)]
+                read = self.unsettled[w]() if flushed else None
+                erased = [e for e in flushed if read is not None and read(e.device, e.pool_id) == 0]
                 del self.unsettled[w]
+                now = self.flushes.get(w, 0)
                 for e in flushed:
-                    e.flushed = False
+                    e.checked = now
                 for e in erased:
                     e.device_alive = False
                     self.restate(e)
@@ -580,7 +587,7 @@ class Ledger:
         """The host allocator's flush erases its graph pools at use count 0 (captures hold no host block)."""
         with self.lock:
             self.drain()
-            for e in list(self.pools.values()):
+            for e in list(self.dead.values()):  # a host pool at use count 0 is a dead pool
                 if e.world == world and e.host_count <= 0 and e.host_alive:
                     e.host_alive = False
                     self.restate(e)

@@ -168,10 +168,11 @@ class Backend(ABC):
     @abstractmethod
     def stream(self, stream: Any) -> contextlib.AbstractContextManager: ...
 
-    def prewarm(self, device: int = 0) -> None:
+    def prewarm(self, device: int = 0, backward: bool = False) -> None:
         """Create the per-stream library workspaces (cuBLAS, cuBLASLt) of the streams captures run on (the
         default stream, the process's capture stream, torch.cuda.graph's own) now: a workspace created inside
         a capture pins that graph's pool for good, and one created between two baselines counts as growth.
+        ``backward``: also those of autograd's device thread, whose cuBLAS handle is its own.
         Cheap when they exist; ``torch._dynamo.reset()`` frees them, so cycles call this every time. The
         simulated allocator has no library workspaces: nothing to do there."""
         return None

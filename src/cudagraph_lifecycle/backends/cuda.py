@@ -67,7 +67,7 @@ class CudaBackend(Backend):
     def current_device(self) -> int:
         return torch.cuda.current_device()
 
-    def prewarm(self, device: int = 0) -> None:
+    def prewarm(self, device: int = 0, backward: bool = False) -> None:
         # torch.cuda.graph captures on a process-wide stream of its own when given none (so does
         # make_graphed_callables): measured on the H200, the first capture on it put cuBLAS's 32 MiB
         # workspace into that graph's pool and pinned it for good.
@@ -85,6 +85,10 @@ class CudaBackend(Backend):
                     a = torch.ones(64, 64, device=dev, dtype=dtype)
                     torch.mm(a, a)
                     torch.addmm(a[0], a, a)  # the bias epilogue goes through cuBLASLt
+            if backward:  # autograd's device thread has a cuBLAS handle (and so workspaces) of its own
+                with torch.cuda.stream(stream), torch.enable_grad():
+                    w = torch.ones(64, 64, device=dev, requires_grad=True)
+                    (w @ w).sum().backward()
         torch.cuda.synchronize(dev)
 
     # pools
@@ -212,6 +216,10 @@ class CudaBackend(Backend):
         if fn is None or not torch.cuda.is_initialized() or torch.cuda.is_current_stream_capturing():
             return False
         fn()
+        # made again now, outside any capture (autograd's thread included): otherwise the next capture would
+        # make them inside it, in its pool, where the process's first one did
+        for device in range(torch.cuda.device_count()):
+            self.prewarm(device, backward=True)
         return True
 
     def record_history(self, on: bool = True) -> str | None:

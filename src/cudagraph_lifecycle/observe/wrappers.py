@@ -53,7 +53,7 @@ class Hooks:
         """A capture into ``pool``: record and judge it if the pool is dead."""
         led = self.ledger
         e = led.dead.get((world, device, pool))
-        if e is not None and e.flushed:  # a flush since its release may have erased it: read the books now
+        if e is not None and led.maybe_erased(e):  # a flush since its release may have erased it: read the books
             led.settle(world)
             e = led.dead.get((world, device, pool))
         if e is None:
@@ -108,8 +108,12 @@ class Hooks:
 def capture_begin(api: GraphAPI, hooks: Hooks, original):
     backend_of, device_of = api.graph_backend, api.capture_device
     led, clock, worlds = hooks.ledger, time.perf_counter, hooks.worlds
-    getframe, depth2 = sys._getframe, 2 * _DEPTH
+    # the ledger's containers are cleared in place (fork, forgotten worlds): bound once, read per capture
+    pending, pending_keys, dead, refs, gone = led.pending, led.pending_keys, led.dead, hooks._refs, hooks._gone
+    getframe, depth = sys._getframe, range(_DEPTH)
 
+    # Everything here runs right after a real capture has evicted the host's caches: on the H200 each
+    # object touched costs microseconds, so the common path touches few and calls few functions.
     @functools.wraps(original)
     def wrapper(graph, pool=None, *args, **kwargs):  # no **kwargs dict built for the common call
         t0 = clock()
@@ -124,21 +128,33 @@ def capture_begin(api: GraphAPI, hooks: Hooks, original):
                 pool = None
         device = device_of(graph)
         if pool is not None:
-            if led.pending:  # a graph destroyed since the last call may have made the pool dead
-                led.drain_before_capture((world, device, pool))
-            if led.dead:
+            # a graph destroyed since the last call may have made the pool dead: apply what concerns it
+            if pending and ((world, device, pool) in pending_keys or len(pending) > 256):
+                with led.lock:
+                    led.drain()
+            if dead:
                 hooks.judge(world, device, pool)
         t1 = clock()
         original(graph, given, *args, **kwargs)
         t2 = clock()
         frames = []  # the stack as Stack keeps it, built inline: one list, no call
         f = getframe(1)
-        while f is not None and len(frames) < depth2:
-            frames.append(f.f_code)
-            frames.append(f.f_lasti)
+        for _ in depth:
+            if f is None:
+                break
+            frames += (f.f_code, f.f_lasti)
             f = f.f_back
         g = led.capture_begun(world, device, pool, frames)
-        hooks.tag(graph, g)
+        d = getattr(graph, "__dict__", None)
+        if d is None:
+            hooks.tag(graph, g)
+        else:  # Hooks.tag, inline
+            old = d.get(TAG)
+            d[TAG] = g
+            if old is not None and old.generation == g.generation:
+                led.replaced(old)
+            r = g.ref = weakref.ref(graph, gone)
+            refs[id(r)] = g
         if world not in worlds:
             hooks.saw(be)
         hooks.overhead_s += t1 - t0 + clock() - t2
@@ -153,8 +169,9 @@ def capture_end(api: GraphAPI, hooks: Hooks, original):
     def wrapper(graph, *args, **kwargs):
         original(graph, *args, **kwargs)  # on failure the graph keeps its references through reset
         t0 = clock()
-        g = hooks.entry_of(graph)
-        if g is not None:
+        d = getattr(graph, "__dict__", None)
+        g = d.get(TAG) if d is not None else hooks.entry_of(graph)
+        if g is not None and g.generation == led.generation:
             if g.pool_id is None:
                 led.capture_bound(g, tuple(graph.pool()))
             g.captured = True

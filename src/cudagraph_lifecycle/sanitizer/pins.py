@@ -33,10 +33,12 @@ FIXES = {
     "python_reference": "drop that reference (or keep a .clone() made under torch.no_grad()) before the release",
     "autograd_history": "capture (and run) under torch.no_grad() or torch.inference_mode(), or keep only "
                         ".detach()ed copies of outputs",
-    "library_workspace": "cuBLAS keeps one workspace per stream, made by the first matmul on it: run one matmul "
-                         "on the capture stream before the first capture (torch.cuda.graph without stream= uses "
-                         "torch.cuda.graph.default_capture_stream), or call torch._C._cuda_clearCublasWorkspaces() "
-                         "once no graph is alive",
+    "library_workspace": "cuBLAS keeps a workspace per thread's handle and stream (32 MiB on the H200), made by "
+                         "the first matmul there; one made inside a capture stays in its pool for good. Warm up "
+                         "forward AND backward on the capture stream before the first capture (torch.cuda.graph "
+                         "without stream= uses torch.cuda.graph.default_capture_stream; make_graphed_callables warms "
+                         "up on a stream of its own, and backward runs on autograd's thread), or call "
+                         "torch._C._cuda_clearCublasWorkspaces() after the release once no graph is alive",
     "unknown": "no Python object or autograd graph reaches it (a C++ cache, an extension, or a library "
                "workspace while graphs are alive): record allocation stacks (PoolSanitizer(record_history=True)) "
                "to see where it was allocated",
@@ -219,5 +221,5 @@ def _workspaces(backend: Backend, keys: list[Key], blocks: list[tuple], owner: d
     left = {(b.address, b.size) for k in keys for b in backend.live_blocks(k[2], k[1])}
     for i, (lo, _, size, _) in enumerate(blocks):
         if i not in owner and (lo, size) not in left:
-            owner[i] = ("library_workspace", "a cuBLAS workspace created inside a capture (freed now: "
-                                             "the workspace caches were cleared)")
+            owner[i] = ("library_workspace", "a cuBLAS workspace created inside a capture (the caches were "
+                                             "cleared to find it: freed now, and made again outside any capture)")
