@@ -246,8 +246,8 @@ class Ledger:
         self.graphs: dict[int, GraphEntry] = {}
         self.minted: OrderedDict[tuple[Any, PoolId], Stack] = OrderedDict()
         self.retired: set[Key] = set()
-        # erased pools: (scopes, mint site, tests, capture stacks), for ``reused`` and for where it came from
-        self.erased: OrderedDict[Key, tuple[list[str], Any, list[str], list[list]]] = OrderedDict()
+        # erased pools: (scopes, mint site, tests), for ``reused``; at most _REMEMBERED of them (~1 KB each)
+        self.erased: OrderedDict[Key, tuple[list[str], Any, list[str]]] = OrderedDict()
         self.stale: deque[StaleAttempt] = deque(maxlen=256)
         self.scope: str | None = None
         self.test: str | None = None  # the test running now, set by the pytest plugin (in workers: per call)
@@ -320,7 +320,7 @@ class Ledger:
             e = self.pools[key] = PoolEntry(world, device, pool_id)
             old = self.erased.pop(key, None)
             if old is not None:  # the allocator created it afresh under an id it had erased
-                e.scopes, e.minted_at, e.tests, e.sites = list(old[0]), old[1], list(old[2]), list(old[3])
+                e.scopes, e.minted_at, e.tests = list(old[0]), old[1], list(old[2])
             else:
                 e.minted_at = self.minted.pop((world, pool_id), None)
             e.retired = key in self.retired
@@ -337,7 +337,7 @@ class Ledger:
         self.dead.pop(key, None)
         if not (e.device_alive or e.host_alive or e.graphs or e.device_extra):
             del self.pools[key]
-            self.erased[key] = (e.scopes, e.minted_at, e.tests, e.sites)
+            self.erased[key] = (e.scopes, e.minted_at, e.tests)
             while len(self.erased) > _REMEMBERED:
                 self.erased.popitem(last=False)
 
@@ -348,7 +348,7 @@ class Ledger:
             if not e.graphs:
                 del self.dead[key]
                 self.pools.pop(key, None)
-                self.erased[key] = (e.scopes, e.minted_at, e.tests, e.sites)
+                self.erased[key] = (e.scopes, e.minted_at, e.tests)
                 while len(self.erased) > _REMEMBERED:
                     self.erased.popitem(last=False)
                 return
