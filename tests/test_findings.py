@@ -240,3 +240,17 @@ def test_a_session_wide_sanitizer_names_the_test_and_the_line(pytester, monkeypa
     assert pinned["tests"] == ["test_s.py::test_pins_a_pool"] and pinned["sites"][0].endswith("test_s.py:11 in _capture")
     assert pinned["pins"][0]["cause"] == "python_reference"
     assert data["totals"]["sanitizer_findings"] == 2
+
+
+def test_an_unreadable_autograd_graph_is_blamed_only_for_what_nothing_else_explains():
+    """A kept tensor whose autograd graph saved tensors that were modified in place since (autograd refuses
+    to hand them back) is inferred to pin what is left, but only after the workspace caches were tried: the
+    workspace is named as such."""
+    w = torch.ones(4, requires_grad=True)
+    y = (w * 2).relu()
+    kept = [y.clone()]  # its history: ReluBackward, which saved y
+    y.add_(1)  # ... modified in place since: autograd will not give it back
+    be, san, key, _ = _workspace_pinned(keep_graph_alive=False)
+    (pin,) = what_pins(be, [key])
+    assert pin.cause == "library_workspace", pin
+    assert kept

@@ -10,6 +10,8 @@ path. In order:
 * ``library_workspace``: a block that clearing the libraries' workspace caches frees (cuBLAS keeps one
   workspace per stream; the first matmul on a stream inside a capture puts it in the graph's pool). Tried
   only while no graph of the device is alive, since a live graph may replay into that workspace;
+* ``autograd_history``, inferred: a kept tensor's autograd graph saved tensors that autograd will no longer
+  hand back (modified in place since): what nothing else explains is put down to it;
 * ``unknown``: nothing above reaches it (a C++ extension's cache, a library workspace while graphs live).
 """
 
@@ -84,11 +86,14 @@ def what_pins(backend: Backend, keys: list[Key], known: dict[int, str] | None = 
             for i in hit:
                 if held_as is not None:
                     owner[i] = ("python_reference", f"a tensor {_shape(t)} held as {held_as}")
-        if len(owner) < len(blocks):
-            _autograd(backend, tensors, blocks, owner, name)
+        blind = _autograd(backend, tensors, blocks, owner, name) if len(owner) < len(blocks) else None
     del tensors
     if len(owner) < len(blocks):
         _workspaces(backend, keys, blocks, owner)
+    if blind is not None:  # what is left is most likely what tensors that graph saved hold
+        for i in range(len(blocks)):
+            owner.setdefault(i, ("autograd_history", f"{blind} (inferred: tensors it saved were overwritten in "
+                                                     "place since, so autograd will not hand them back to compare)"))
     grouped: dict[tuple[str, str], int] = {}
     for i, (_, _, size, _) in enumerate(blocks):
         cause, holder = owner.get(i, ("unknown", "something outside Python"))
@@ -177,39 +182,51 @@ def _dict_owner(d: dict, ignore: set[int]) -> Any:
     return None
 
 
-def _saved(node: Any) -> list[torch.Tensor]:
-    out = []
+def _saved(node: Any) -> tuple[list[torch.Tensor], int]:
+    """The tensors ``node`` saved for backward, and how many it saved that cannot be read back: autograd
+    refuses a saved tensor modified in place since (a graph replay, a copy into a static buffer)."""
+    out, unreadable = [], 0
     for name in dir(node):
         if name.startswith("_saved_") or name == "saved_tensors":
             try:
                 v = getattr(node, name)
-            except Exception:  # freed by a backward already, or not readable
+            except RuntimeError as e:
+                unreadable += "modified by an inplace operation" in str(e)
+                continue
+            except Exception:  # freed by a backward already
                 continue
             items = v if isinstance(v, (tuple, list)) else (v,)
             out += [x for x in items if isinstance(x, torch.Tensor)]
-    return out
+    return out, unreadable
 
 
-def _autograd(backend: Backend, tensors: list, blocks: list[tuple], owner: dict, name) -> None:
+def _autograd(backend: Backend, tensors: list, blocks: list[tuple], owner: dict, name) -> str | None:
     """Tensors saved for backward by the autograd graphs that live tensors carry: roots that Python names
-    first (a root held only from C++ is itself part of such a graph)."""
+    first (a root held only from C++ is itself part of such a graph). Returns the first named root whose
+    graph saved tensors that cannot be read back, for blocks nothing else explains."""
     seen: set[int] = set()
+    visited: list = []  # Python's node objects are made on each access: keep them, or an id is reused
     roots = [(t, name(t)) for t in tensors if getattr(t, "grad_fn", None) is not None]
+    blind = None  # the first named root whose graph saved tensors that cannot be read back
     for root, held_as in sorted(roots, key=lambda r: r[1] is None):
-        fn = root.grad_fn
-        todo = [fn]
+        what = f"the autograd graph of a tensor {_shape(root)}" + (f" held as {held_as}" if held_as else "")
+        todo = [root.grad_fn]
         while todo and len(seen) < _AUTOGRAD_NODES:
             node = todo.pop()
             if node is None or id(node) in seen:
                 continue
             seen.add(id(node))
-            for saved in _saved(node):
-                for i in _blocks_of(backend, saved, blocks):
-                    owner.setdefault(i, ("autograd_history", f"the autograd graph of a tensor {_shape(root)}"
-                                                              + (f" held as {held_as}" if held_as else "")))
+            visited.append(node)
+            saved, unreadable = _saved(node)
+            for t in saved:
+                for i in _blocks_of(backend, t, blocks):
+                    owner.setdefault(i, ("autograd_history", what))
+            if unreadable and blind is None and held_as is not None:
+                blind = what
             todo += [f for f, _ in getattr(node, "next_functions", ())]
         if len(owner) == len(blocks) or len(seen) >= _AUTOGRAD_NODES:
-            return
+            break
+    return blind
 
 
 def _workspaces(backend: Backend, keys: list[Key], blocks: list[tuple], owner: dict) -> None:
