@@ -23,14 +23,17 @@ def _stop_sanitizers():
         _STARTED.pop().stop()
 
 
+def _watched(be):
+    """A sanitizer on ``be`` (stopped after the test), its helpers, a new pool id and graph."""
+    san = PoolSanitizer(be).start()
+    _STARTED.append(san)
+    return san, Ctx(be), be.graph_pool_handle(), be.new_graph()
+
+
 def _pinned(hold, grad: bool = False):
     """A released pool of a fresh simulated allocator, one of its outputs handed to ``hold``."""
     be = SimBackend()
-    san = PoolSanitizer(be).start()
-    _STARTED.append(san)
-    c = Ctx(be)
-    h = be.graph_pool_handle()
-    g = be.new_graph()
+    san, c, h, g = _watched(be)
     w = be.randn(16).requires_grad_(grad)
     x = c.tensor(16)
     with torch.set_grad_enabled(grad):
@@ -110,11 +113,7 @@ class WorkspaceSim(SimBackend):
 
 def _workspace_pinned(keep_graph_alive: bool):
     be = WorkspaceSim()
-    san = PoolSanitizer(be).start()
-    _STARTED.append(san)
-    c = Ctx(be)
-    h = be.graph_pool_handle()
-    g = be.new_graph()
+    san, c, h, g = _watched(be)
     x = c.tensor(16)
 
     def body():

@@ -632,16 +632,6 @@ class Ledger:
             old = self.erased.get(key)
             return list(old[0]) if old else []
 
-    def tests_of(self, world: Any, device: int, pool: PoolId) -> list[str]:
-        """Every test that captured into the pool, also after the allocator erased it."""
-        with self.lock:
-            key = (world, device, tuple(pool))
-            e = self.pools.get(key)
-            if e is not None:
-                return list(e.tests)
-            old = self.erased.get(key)
-            return list(old[2]) if old else []
-
     def pools_of_scope(self, world: Any, scope: str) -> list[Key]:
         """The pools captured into within an engine scope, whether or not the allocator still holds them."""
         with self.lock:
