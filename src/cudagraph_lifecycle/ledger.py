@@ -336,10 +336,14 @@ class Ledger:
             return
         self.dead.pop(key, None)
         if not (e.device_alive or e.host_alive or e.graphs or e.device_extra):
-            del self.pools[key]
-            self.erased[key] = (e.scopes, e.minted_at, e.tests)
-            while len(self.erased) > _REMEMBERED:
-                self.erased.popitem(last=False)
+            self._to_erased(e)
+
+    def _to_erased(self, e: PoolEntry) -> None:
+        """Drop a pool's entry, keeping what ``reused`` needs in the bounded record of erased pools."""
+        self.pools.pop(e.key, None)
+        self.erased[e.key] = (e.scopes, e.minted_at, e.tests)
+        while len(self.erased) > _REMEMBERED:
+            self.erased.popitem(last=False)
 
     def _forget_oldest_dead(self) -> None:
         """A process that never learns whether its released pools went (expandable segments) must not grow
@@ -347,10 +351,7 @@ class Ledger:
         for key, e in self.dead.items():
             if not e.graphs:
                 del self.dead[key]
-                self.pools.pop(key, None)
-                self.erased[key] = (e.scopes, e.minted_at, e.tests)
-                while len(self.erased) > _REMEMBERED:
-                    self.erased.popitem(last=False)
+                self._to_erased(e)
                 return
 
     def later(self, key: Key | None, fn: Callable[..., None], *args: Any) -> None:
