@@ -29,6 +29,7 @@ step() {
 }
 
 echo "=== install"
+rm -rf /tmp/site  # a warm machine keeps an earlier call's install: measure this tree, not that one
 python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/site . 2>&1 | tail -3 \
   || python3 -m pip install -q --no-deps --no-index --target /tmp/site .whl/pytest_cudagraph-*.whl
 export PYTHONPATH=/tmp/site

@@ -37,6 +37,10 @@ PoolId = tuple[int, int]
 Key = tuple[Any, int, PoolId]  # (allocator world, device, pool id)
 
 STACK_DEPTH = 12  # frames kept per stack
+# frames kept per capture: each frame reached on a live stack is materialized as a Python object, which after a
+# model's warm-up costs ~1 us a frame on the H200's host (bench/bench_wrapper_cost.py); 8 reach the user's
+# line through the runner, torch.cuda.graph and make_graphed_callables
+CAPTURE_STACK_DEPTH = 8
 SITES = 4  # capture stacks kept per pool (its first captures): where a finding says the pool came from
 _REMEMBERED = 4096  # erased pools and unused mints remembered, oldest forgotten first
 
@@ -243,6 +247,9 @@ class Ledger:
         self.lock = threading.RLock()
         self.pools: dict[Key, PoolEntry] = {}
         self.dead: dict[Key, PoolEntry] = {}  # kept equal to {k: e for e in pools if e.dead} at every change
+        # the dead pools the host allocator still holds (what its next flush erases): torch.cuda.graph flushes
+        # at every capture, so the flush must not walk every dead pool
+        self.host_dead: dict[Key, PoolEntry] = {}
         self.graphs: dict[int, GraphEntry] = {}
         self.minted: OrderedDict[tuple[Any, PoolId], Stack] = OrderedDict()
         self.retired: set[Key] = set()
@@ -265,7 +272,8 @@ class Ledger:
         self.flushes: dict[Any, int] = {}  # world -> device cache flushes seen
         self.generation = 0
         self.pending: deque = deque()  # (callable, args) queued by weak-reference callbacks
-        self.pending_keys: set[Key] = set()  # the pools those events touch: a capture drains only for its own
+        # the pools those events touch (None: an event of no known pool): a capture drains only for its own
+        self.pending_keys: set[Key | None] = set()
         self._seq = itertools.count(1)
         self._gids = itertools.count(1)
         self.seq = 0
@@ -274,8 +282,8 @@ class Ledger:
     def reset(self) -> None:
         """Forget everything (a forked child). Containers are cleared in place: wrappers hold them."""
         self.lock = threading.RLock()
-        for container in (self.pools, self.dead, self.graphs, self.minted, self.erased, self.stale, self.pending,
-                          self.pending_keys):
+        for container in (self.pools, self.dead, self.host_dead, self.graphs, self.minted, self.erased, self.stale,
+                          self.pending, self.pending_keys):
             container.clear()
         self.retired.clear()
         for counts in (self.captures_by_scope, self.replays_by_scope, self.unreplayed_by_scope, self.hazards,
@@ -303,7 +311,7 @@ class Ledger:
             self.drain()
             self.unsettled.pop(world, None)
             self.flushes.pop(world, None)
-            for store in (self.pools, self.dead, self.erased):
+            for store in (self.pools, self.dead, self.host_dead, self.erased):
                 for key in [k for k in store if k[0] == world]:
                     del store[key]
             self.retired = {k for k in self.retired if k[0] != world}
@@ -329,6 +337,10 @@ class Ledger:
     def restate(self, e: PoolEntry) -> None:
         """Keep ``dead`` current, and move an entry neither allocator holds any more to ``erased``."""
         key = e.key
+        if e.held <= 0 and e.host_alive:
+            self.host_dead[key] = e
+        else:
+            self.host_dead.pop(key, None)
         if e.dead:
             self.dead[key] = e
             if len(self.dead) > _REMEMBERED:  # under expandable segments dead pools are never settled away
@@ -341,6 +353,7 @@ class Ledger:
     def _to_erased(self, e: PoolEntry) -> None:
         """Drop a pool's entry, keeping what ``reused`` needs in the bounded record of erased pools."""
         self.pools.pop(e.key, None)
+        self.host_dead.pop(e.key, None)
         self.erased[e.key] = (e.scopes, e.minted_at, e.tests)
         while len(self.erased) > _REMEMBERED:
             self.erased.popitem(last=False)
@@ -358,8 +371,7 @@ class Ledger:
         """Queue ``fn(*args)``, an event about pool ``key``, for the next ledger operation (for weak-reference
         callbacks); dropped if the process forked in between (the event was the parent's)."""
         self.pending.append((self._in_generation, (self.generation, fn, args)))
-        if key is not None:
-            self.pending_keys.add(key)
+        self.pending_keys.add(key)  # None too: an event other than a queued capture is waiting
 
     def drain_before_capture(self, key: Key) -> None:
         """A capture into ``key`` is about to be judged: apply what concerns it (and everything, once the
@@ -373,7 +385,8 @@ class Ledger:
             fn(*args)
 
     def drain(self) -> None:
-        """Apply the events that weak-reference callbacks queued."""
+        """Apply the queued events: captures started (the capture path only queues them) and graphs destroyed
+        (weak-reference callbacks), in the order they happened."""
         pending = self.pending
         self.pending_keys.clear()
         while pending:
@@ -397,16 +410,31 @@ class Ledger:
         self.stale.append(attempt)
         return attempt
 
+    def new_graph(self, world: Any, device: int, pool: PoolId | None, frames: list) -> GraphEntry:
+        """The entry of a capture that started now (its engine scope, test and sequence number are now's);
+        :meth:`add_graph` counts it."""
+        self.seq = seq = next(self._seq)
+        return GraphEntry(next(self._gids), world, pool, device, frames, self.scope, self.test, self.generation, seq)
+
     def capture_begun(self, world: Any, device: int, pool: PoolId | None, frames: list) -> GraphEntry:
         """A capture started (the allocator took its references, even if the capture later fails)."""
         with self.lock:
-            self.seq = seq = next(self._seq)
-            g = GraphEntry(next(self._gids), world, pool, device, frames, self.scope, self.test, self.generation, seq)
+            g = self.new_graph(world, device, pool, frames)
+            self.add_graph(g)
+            return g
+
+    def add_graph(self, g: GraphEntry) -> None:
+        """Count a started capture into its pool (the observation layer queues this for the next operation)."""
+        with self.lock:
+            if g.generation != self.generation:
+                return
             self.graphs[g.gid] = g
+            world, device, pool, seq, frames = g.world, g.device, g.pool_id, g.seq, g.frames
             if pool is None:
-                return g
+                return
             e = self.pools.get((world, device, pool))
-            if e is None or not (e.device_alive and e.host_alive) or (g.scope is not None and g.scope not in e.scopes) \
+            if e is None or e.held <= 0 or not (e.device_alive and e.host_alive) \
+                    or (g.scope is not None and g.scope not in e.scopes) \
                     or (g.test is not None and g.test not in e.tests):
                 self._count(g)
             else:  # the common case, inline (captures are timed): a live pool taking one more graph stays live
@@ -419,11 +447,11 @@ class Ledger:
                 if g.scope is not None:
                     self.captures_by_scope[g.scope] = self.captures_by_scope.get(g.scope, 0) + 1
                 g.counted = True
-            return g
 
     def capture_bound(self, g: GraphEntry, pool: PoolId) -> None:
         """A capture without a pool argument ended: its graph-minted pool id is readable only now."""
         with self.lock:
+            self.drain()  # its start may still be queued
             g.pool_id = pool
             self._count(g)
 
@@ -448,6 +476,7 @@ class Ledger:
     def released(self, g: GraphEntry, where: Stack | str) -> None:
         """A captured graph was reset: its references go back."""
         with self.lock:
+            self.drain()
             if g.captured:
                 g.captured = False
                 self._give_back(g, where)
@@ -516,6 +545,7 @@ class Ledger:
     def pool_reference(self, world: Any, device: int, pool: PoolId, delta: int, where: Stack | str) -> None:
         """A reference taken (MemPool born, warm-up allocation begun) or given back outside any graph."""
         with self.lock:
+            self.drain()
             e = self.entry(world, device, pool)
             e.device_extra += delta
             if delta > 0:
@@ -534,7 +564,10 @@ class Ledger:
         Nothing here walks the pools: the flush is counted, and a released pool counts as flushed once the
         count passed what it was at its release (``PoolEntry.checked``)."""
         with self.lock:
-            self.drain()  # graphs destroyed before the flush were released before it
+            # graphs destroyed before the flush were released before it; queued captures alone change nothing a
+            # flush decides (torch.cuda.graph flushes at each capture): they wait for the next query
+            if self.pending_keys:
+                self.drain()
             self.flushes[world] = self.flushes.get(world, 0) + 1
             self.unsettled[world] = reader
 
@@ -586,16 +619,18 @@ class Ledger:
 
     def host_flushed(self, world: Any) -> None:
         """The host allocator's flush erases its graph pools at use count 0 (captures hold no host block)."""
+        if not (self.host_dead or self.pending_keys):
+            return
         with self.lock:
             self.drain()
-            for e in list(self.dead.values()):  # a host pool at use count 0 is a dead pool
-                if e.world == world and e.host_count <= 0 and e.host_alive:
-                    e.host_alive = False
-                    self.restate(e)
+            for e in [e for e in self.host_dead.values() if e.world == world]:
+                e.host_alive = False
+                self.restate(e)
 
     def retire(self, world: Any, device: int, pool: PoolId) -> None:
         """A LazyPool retired the id: it is never to be captured into again."""
         with self.lock:
+            self.drain()
             key = (world, device, pool)
             self.retired.add(key)
             e = self.pools.get(key)

@@ -41,6 +41,7 @@ class CudaBackend(Backend):
     world = "cuda"  # one CUDA caching allocator per process
     _process: CudaBackend | None = None
     _lock = threading.Lock()
+    _expandable: bool | None = None
 
     @classmethod
     def process(cls) -> CudaBackend:
@@ -129,7 +130,11 @@ class CudaBackend(Backend):
             fn()
 
     def expandable_segments(self) -> bool:
-        return expandable_from_env()
+        # PyTorch reads the setting once, when its allocator starts: so do we (every flush asks)
+        on = self._expandable
+        if on is None:
+            on = self._expandable = expandable_from_env()
+        return on
 
     def capture_invalidated(self) -> bool:
         # an invalidated capture no longer reads as active on its stream
@@ -171,7 +176,7 @@ class CudaBackend(Backend):
 
     def segments(self, device: int = 0) -> list[dict[str, Any]]:
         return [{"address": s["address"], "size": s["total_size"], "allocated": s["allocated_size"],
-                 "pool_id": _segment_pool(s), "stream": s.get("stream")}
+                 "pool_id": _segment_pool(s), "stream": s.get("stream"), "small": s.get("segment_type") == "small"}
                 for s in self._segments(device)]
 
     def pool_ids(self, device: int = 0) -> list[PoolId]:
@@ -262,8 +267,8 @@ class CudaBackend(Backend):
         if graph_cls is None:
             return None
 
-        def backend(*_a: Any) -> CudaBackend:
-            return cls.process()
+        def backend(_graph: Any) -> CudaBackend:
+            return cls._process or cls.process()
 
         reader = _private("_cuda_getDevice")  # cheap: the capture is underway, so CUDA is initialized
 

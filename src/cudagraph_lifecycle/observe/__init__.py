@@ -101,11 +101,6 @@ def remove_judge(world: Any, judge: Judge) -> None:
             _judges.pop(world, None)
 
 
-def overhead_s() -> float:
-    """Seconds spent inside the capture wrappers themselves since the process started (bench/ reports it)."""
-    return hooks.overhead_s
-
-
 def _after_fork_in_child() -> None:
     # The parent's holders and judges are not this process's: start unobserved, as a fresh process does.
     global _holders, _lock

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import functools
 import sys
-import time
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 from ..backends.base import Backend, GraphAPI
-from ..ledger import STACK_DEPTH as _DEPTH
+from ..ledger import CAPTURE_STACK_DEPTH as _DEPTH
 from ..ledger import GraphEntry, Ledger, Stack, TeardownHazard
 
 TAG = "_cudagraph_ledger_entry"  # where a graph carries its ledger entry
@@ -27,12 +26,11 @@ Judge = Callable[[Any], None]
 
 
 class Hooks:
-    """What every wrapper shares: the ledger, the judges, the worlds seen, and the time spent in wrappers."""
+    """What every wrapper shares: the ledger, the judges and the worlds seen."""
 
     def __init__(self, ledger: Ledger, judges: dict[Any, list[Judge]]):
         self.ledger = ledger
         self.judges = judges
-        self.overhead_s = 0.0
         self.worlds: set = set()
         self._entries: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graphs without a __dict__
         self._refs: dict[int, GraphEntry] = {}  # id(weak reference) -> the entry of the graph it watches
@@ -86,6 +84,13 @@ class Hooks:
         if rules:
             rules[-1](hazard)
 
+    def register(self, g: GraphEntry, old: GraphEntry | None) -> None:
+        """Count a capture the capture path only queued (applied at the ledger's next operation, under its lock,
+        before the graph's destruction if that came later: the weak reference's event queues behind it)."""
+        if old is not None and old.generation == g.generation:
+            self.ledger.replaced(old)
+        self.ledger.add_graph(g)
+
     def entry_of(self, graph: Any) -> GraphEntry | None:
         d = getattr(graph, "__dict__", None)
         g = d.get(TAG) if d is not None else self._entries.get(graph)
@@ -107,75 +112,71 @@ class Hooks:
 
 def capture_begin(api: GraphAPI, hooks: Hooks, original):
     backend_of, device_of = api.graph_backend, api.capture_device
-    led, clock, worlds = hooks.ledger, time.perf_counter, hooks.worlds
+    led, worlds, new_graph, register = hooks.ledger, hooks.worlds, hooks.ledger.new_graph, hooks.register
     # the ledger's containers are cleared in place (fork, forgotten worlds): bound once, read per capture
     pending, pending_keys, dead, refs, gone = led.pending, led.pending_keys, led.dead, hooks._refs, hooks._gone
-    getframe, depth = sys._getframe, range(_DEPTH)
+    getframe, more = sys._getframe, range(_DEPTH - 1)
 
-    # Everything here runs right after a real capture has evicted the host's caches: on the H200 each
-    # object touched costs microseconds, so the common path touches few and calls few functions.
+    # Everything here runs right after the model's warm-up has evicted the host's caches: on the H200 each
+    # object touched costs microseconds (measured: bench/bench_wrapper_cost.py). So the capture path judges,
+    # takes the stack and tags the graph; counting it into its pool is queued for the ledger's next operation
+    # (a reset, a flush, a query), where a runner's graphs are counted together, warm. A destruction before
+    # then is queued behind it by the weak reference's callback.
     @functools.wraps(original)
     def wrapper(graph, pool=None, *args, **kwargs):  # no **kwargs dict built for the common call
-        t0 = clock()
         be = backend_of(graph)
         if be is None:
             return original(graph, pool, *args, **kwargs)
         world = be.world
         given = pool  # the original gets the caller's object untouched
-        if pool is not None:
-            pool = tuple(pool)
-            if pool == (0, 0):
-                pool = None
         device = device_of(graph)
         if pool is not None:
-            # a graph destroyed since the last call may have made the pool dead: apply what concerns it
-            if pending and ((world, device, pool) in pending_keys or len(pending) > 256):
-                with led.lock:
-                    led.drain()
-            if dead:
-                hooks.judge(world, device, pool)
-        t1 = clock()
+            if type(pool) is not tuple:
+                pool = tuple(pool)
+            if pool == (0, 0):
+                pool = None
+            else:
+                # a graph destroyed since the last call may have made the pool dead: apply what concerns it
+                if pending and ((world, device, pool) in pending_keys or len(pending) > 256):
+                    with led.lock:
+                        led.drain()
+                if dead:
+                    hooks.judge(world, device, pool)
         original(graph, given, *args, **kwargs)
-        t2 = clock()
-        frames = []  # the stack as Stack keeps it, built inline: one list, no call
-        f = getframe(1)
-        for _ in depth:
+        f = getframe(1)  # the stack as Stack keeps it, built inline: one list, no call
+        frames = [f.f_code, f.f_lasti]
+        for _ in more:
+            f = f.f_back
             if f is None:
                 break
             frames += (f.f_code, f.f_lasti)
-            f = f.f_back
-        g = led.capture_begun(world, device, pool, frames)
         d = getattr(graph, "__dict__", None)
         if d is None:
-            hooks.tag(graph, g)
-        else:  # Hooks.tag, inline
-            old = d.get(TAG)
+            hooks.tag(graph, led.capture_begun(world, device, pool, frames))
+        else:
+            g = new_graph(world, device, pool, frames)
+            pending.append((register, (g, d.get(TAG))))
             d[TAG] = g
-            if old is not None and old.generation == g.generation:
-                led.replaced(old)
             r = g.ref = weakref.ref(graph, gone)
             refs[id(r)] = g
         if world not in worlds:
             hooks.saw(be)
-        hooks.overhead_s += t1 - t0 + clock() - t2
 
     return wrapper
 
 
 def capture_end(api: GraphAPI, hooks: Hooks, original):
-    led, clock = hooks.ledger, time.perf_counter
+    led = hooks.ledger
 
     @functools.wraps(original)
     def wrapper(graph, *args, **kwargs):
         original(graph, *args, **kwargs)  # on failure the graph keeps its references through reset
-        t0 = clock()
         d = getattr(graph, "__dict__", None)
         g = d.get(TAG) if d is not None else hooks.entry_of(graph)
         if g is not None and g.generation == led.generation:
             if g.pool_id is None:
                 led.capture_bound(g, tuple(graph.pool()))
             g.captured = True
-            hooks.overhead_s += clock() - t0
 
     return wrapper
 
@@ -185,6 +186,9 @@ def reset(api: GraphAPI, hooks: Hooks, original):
 
     @functools.wraps(original)
     def wrapper(graph, *args, **kwargs):
+        if led.pending:  # its capture may still be queued: count it first
+            with led.lock:
+                led.drain()
         g = hooks.entry_of(graph)
         if g is not None and g.captured and g.counted:
             hooks.before_last_reset(api.graph_backend(graph), g)
@@ -245,6 +249,7 @@ def mempool_init(api: GraphAPI, hooks: Hooks, original):
 def flush(parse, hooks: Hooks, original, host: bool):
     """A cache flush: afterwards the pools that allocator erased may be created afresh under their ids."""
     led = hooks.ledger
+    readers: dict = {}  # world -> how to read its books later: one per world, not one per flush
 
     @functools.wraps(original)
     def wrapper(*args, **kwargs):
@@ -256,7 +261,12 @@ def flush(parse, hooks: Hooks, original, host: bool):
             if host:
                 led.host_flushed(be.world)
             elif not be.expandable_segments():
-                led.device_flushed(be.world, functools.partial(_reader_of, weakref.ref(be)))
+                reader = readers.get(be.world)
+                if reader is None or reader.args[0]() is not be:  # a forked child's backend is a new object
+                    if len(readers) > 64:  # isolated sim worlds come and go
+                        readers.clear()
+                    reader = readers[be.world] = functools.partial(_reader_of, weakref.ref(be))
+                led.device_flushed(be.world, reader)
             # under expandable segments a released pool with no segment left may still be in the allocator's
             # books (its count of expansions not yet unmapped): it stays dead (sim_expandable.py)
         return out

@@ -1,0 +1,234 @@
+"""Where the sanitizer's time goes on the capture path: each observed graph-API call timed twice, around our
+wrapper (outer) and around the original it calls (inner), in the real capture flow (so the host's caches are
+as cold as a real capture leaves them). outer - inner is the wrapper's own cost for that call; the library
+times nothing of its own.
+
+    python bench/bench_wrapper_cost.py [--backend cuda|sim] [--rounds N] [--json PATH]
+
+Two flows: the runner's (raw ``capture_begin``/``capture_end`` into one pool, 8 graphs) and
+``torch.cuda.graph``'s (a device and a host flush before each capture), with 0 and 8 released pools pinned.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from bench.common import emit  # noqa: E402
+from cudagraph_lifecycle import CUDAGraphRunner, PoolSanitizer, get_backend  # noqa: E402
+from cudagraph_lifecycle.backends import graph_apis  # noqa: E402
+
+clock = time.perf_counter_ns
+inner: dict[str, list[int]] = defaultdict(list)
+outer: dict[str, list[int]] = defaultdict(list)
+
+
+def shim(fn, name, store):
+    def timed(*a, **k):
+        t0 = clock()
+        try:
+            return fn(*a, **k)
+        finally:
+            store[name].append(clock() - t0)
+
+    timed.__wrapped__ = fn
+    return timed
+
+
+def targets(kind):
+    api = next(a for a in graph_apis() if a.kind == kind)
+    out = [(api.graph_cls, "capture_begin"), (api.graph_cls, "capture_end")]
+    for hook in (api.device_flush, api.host_flush):
+        if hook is not None:
+            out.append(hook[:2])
+    return out
+
+
+def patch(tgts, store):
+    saved = []
+    for owner, name in tgts:
+        fn = getattr(owner, name)
+        saved.append((owner, name, fn, name in vars(owner)))
+        setattr(owner, name, shim(fn, name, store))
+    return saved
+
+
+def unpatch(saved):
+    for owner, name, fn, own in reversed(saved):
+        if own:
+            setattr(owner, name, fn)
+        else:
+            delattr(owner, name)
+
+
+def model(be):
+    dev = be.torch_device(0)
+    dtype = torch.float16 if be.name == "cuda" else torch.float32
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(256, 256).to(dev, dtype) for _ in range(16)]
+
+    def fwd(x):
+        for lin in layers:
+            x = torch.relu(lin(x))
+        return x
+
+    return fwd, dtype
+
+
+def runner_flow(be, fwd, dtype):
+    r = CUDAGraphRunner(fwd, [1, 2, 4, 8, 16, 32, 64, 128], (256,), dtype=dtype, backend=be, warmup=1)
+    gc.collect()
+    r.capture()
+    r.release()
+
+
+def graph_flow(be, stream, x):
+    pool, gs = be.graph_pool_handle(), []
+    for _ in range(8):
+        g = be.new_graph()
+        with be.graph(g, pool=pool, stream=stream):
+            (x + 1).relu_()
+        gs.append(g)
+    for g in gs:
+        g.reset()
+
+
+def measure(be, flow, rounds, tgts):
+    inner.clear()
+    outer.clear()
+    saved_in = patch(tgts, inner)
+    try:
+        with PoolSanitizer(be):
+            saved_out = patch(tgts, outer)
+            try:
+                flow()  # warm
+                inner.clear()
+                outer.clear()
+                for _ in range(rounds):
+                    flow()
+            finally:
+                unpatch(saved_out)
+    finally:
+        unpatch(saved_in)
+    res = {}
+    for name in outer:
+        o, i = outer[name], inner[name]
+        diff = [a - b for a, b in zip(o, i)]
+        res[name] = {"calls": len(o), "wrapper_us_median": statistics.median(diff) / 1e3,
+                     "wrapper_us_mean": statistics.fmean(diff) / 1e3, "original_us_median": statistics.median(i) / 1e3}
+    res["wrapper_us_per_capture"] = sum(v["wrapper_us_mean"] * v["calls"] for v in res.values()) / (8 * rounds)
+    return res
+
+
+def layers(be, flow, rounds):
+    """The floor under our capture_begin wrapper, layer by layer, in the same cold flow and without the
+    sanitizer: a bare Python pass-through, + the stack our wrapper takes (CAPTURE_STACK_DEPTH frames), + an
+    entry object and a weak reference per graph (what tagging a graph costs). What ours costs above the last is the judging and
+    queueing; what the first costs no Python observer can avoid."""
+    import weakref
+
+    from cudagraph_lifecycle.ledger import CAPTURE_STACK_DEPTH, GraphEntry
+
+    owner = next(a for a in graph_apis() if a.kind == be.name).graph_cls
+    getframe, more = sys._getframe, range(CAPTURE_STACK_DEPTH - 1)
+
+    def passthrough(orig):
+        def w(graph, pool=None, *a, **k):
+            return orig(graph, pool, *a, **k)
+        return w
+
+    def with_stack(orig):
+        def w(graph, pool=None, *a, **k):
+            orig(graph, pool, *a, **k)
+            f = getframe(1)
+            frames = [f.f_code, f.f_lasti]
+            for _ in more:
+                f = f.f_back
+                if f is None:
+                    break
+                frames += (f.f_code, f.f_lasti)
+        return w
+
+    refs = {}
+
+    def with_entry(orig):
+        def w(graph, pool=None, *a, **k):
+            orig(graph, pool, *a, **k)
+            f = getframe(1)
+            frames = [f.f_code, f.f_lasti]
+            for _ in more:
+                f = f.f_back
+                if f is None:
+                    break
+                frames += (f.f_code, f.f_lasti)
+            g = GraphEntry(0, be.world, pool, 0, frames, None, None, 0, 0)
+            graph.__dict__["_bench_entry"] = g
+            r = g.ref = weakref.ref(graph)
+            refs[id(r)] = g
+        return w
+
+    res = {}
+    for name, make in (("python_passthrough", passthrough), ("plus_stack", with_stack), ("plus_entry_and_ref", with_entry)):
+        inner.clear()
+        outer.clear()
+        saved_in = patch([(owner, "capture_begin")], inner)
+        original = owner.capture_begin
+        owner.capture_begin = make(original)
+        saved_out = patch([(owner, "capture_begin")], outer)
+        try:
+            flow()
+            inner.clear()
+            outer.clear()
+            for _ in range(rounds):
+                flow()
+        finally:
+            unpatch(saved_out)
+            owner.capture_begin = original
+            unpatch(saved_in)
+        diff = [a - b for a, b in zip(outer["capture_begin"], inner["capture_begin"])]
+        res[name] = {"us_median": statistics.median(diff) / 1e3, "us_mean": statistics.fmean(diff) / 1e3}
+        refs.clear()
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--rounds", type=int, default=40)
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    be = get_backend(a.backend)
+    tgts = targets(be.name)
+    fwd, dtype = model(be)
+    out = {"backend": be.name, "torch": torch.__version__}
+    out["runner"] = measure(be, lambda: runner_flow(be, fwd, dtype), a.rounds, tgts)
+    out["runner_capture_begin_layers"] = layers(be, lambda: runner_flow(be, fwd, dtype), a.rounds)
+    dev = be.torch_device(0)
+    x = torch.ones(64, 256, device=dev)
+    stream = be.new_stream()
+    out["graph_0_pinned"] = measure(be, lambda: graph_flow(be, stream, x), a.rounds, tgts)
+    kept = []
+    with PoolSanitizer(be):
+        for _ in range(8):
+            g = be.new_graph()
+            with be.graph(g, pool=be.graph_pool_handle(), stream=stream):
+                y = x * 2
+            g.reset()
+            kept.append(y)
+            del g, y
+    out["graph_8_pinned"] = measure(be, lambda: graph_flow(be, stream, x), a.rounds, tgts)
+    del kept
+    emit(out, a.json)
+
+
+if __name__ == "__main__":
+    main()
