@@ -230,7 +230,8 @@ class Backend(ABC):
 
     @abstractmethod
     def segments(self, device: int = 0) -> list[dict[str, Any]]:
-        """Every segment on ``device``: address, size, pool id and stream (for diagnostics)."""
+        """Every segment on ``device``: address, size, pool id, stream, and whether it is a small segment (the
+        allocator keeps blocks of up to 1 MiB in 2 MiB segments of their own)."""
 
     def pool_bytes(self, device: int = 0) -> dict[PoolId, int]:
         """Reserved bytes of every pool that holds a segment on ``device``, from one read of the books."""

@@ -665,7 +665,8 @@ class SimBackend(Backend):
         with self._lock:
             self._collect()
             return [{"address": id(seg), "size": seg.size, "allocated": seg.allocated(), "pool_id": p.pool_id,
-                     "stream": 0} for (d, _), p in self._pools.items() if d == device for seg in p.mapped()]
+                     "stream": 0, "small": seg.small} for (d, _), p in self._pools.items() if d == device
+                    for seg in p.mapped()]
 
     def memory_reserved(self, device: int = 0) -> int:
         with self._lock:
