@@ -50,6 +50,24 @@ def test_rows_that_depend_on_the_padding_are_caught():
     assert runner(lambda x: x - x.mean(dim=1, keepdim=True)).run(torch.randn(3, 8)).shape == (3, 8)  # per row: fine
 
 
+def test_the_padding_check_proves_each_pair_first_then_every_nth_replay(monkeypatch):
+    from cudagraph_lifecycle import checks
+
+    proved = []
+    real = checks.checked_replay
+    monkeypatch.setattr(checks, "checked_replay", lambda g, s, b, bs, *a: proved.append((b, bs)) or real(g, s, b, bs, *a))
+    r = runner(lambda x: x * 2, checked=["padding"], recheck_every=8)
+    for _ in range(20):
+        r.run(torch.ones(3, 8))
+    r.run(torch.ones(2, 8))
+    assert proved == [(3, 4), (3, 4), (3, 4), (2, 2)]  # replays 0, 8, 16 of batch 3; the first of batch 2
+    every = runner(lambda x: x * 2, checked=["padding"], recheck_every=1)
+    for _ in range(5):
+        every.run(torch.ones(3, 8))
+    assert len(proved) == 4 + 5
+    r.release(), every.release()
+
+
 def test_rows_the_replay_never_writes_are_caught():
     cache = torch.zeros(4, 8)
 
