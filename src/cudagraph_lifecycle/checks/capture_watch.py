@@ -16,8 +16,6 @@ from typing import Any
 
 import torch
 
-from ..trees import leaves
-
 try:  # the same machinery the simulated allocator uses
     from torch.multiprocessing.reductions import StorageWeakRef
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -49,8 +47,36 @@ class ReadStorage:
     ops: list[str] = field(default_factory=list)
 
 
+_Tensor = torch.Tensor  # one global lookup per isinstance instead of two
+_OPS: dict[Any, tuple[str, Any]] = {}  # op -> (readable name, what to call)
+
+
+def _op(func: Any) -> tuple[str, Any]:
+    entry = _OPS.get(func)
+    if entry is None:
+        name = str(func)  # "aten.mm.default": the readable form is the op without its default overload
+        if name.endswith(".default"):
+            name = name[: -len(".default")]
+        # An OpOverload's own __call__ only forwards to its C++ op: call that directly, one frame less per op.
+        entry = _OPS[func] = (name, getattr(func, "_op", func))
+    return entry
+
+
 class CaptureWatch(TorchDispatchMode):
-    """Active during one capture: records external reads and the first op that broke the capture."""
+    """Active during one capture: records external reads and the first op that broke the capture.
+
+    Every op of a capture passes through here, so the path is kept short (on the H200's host the watch cost
+    ~21 us per op, now ~12, over an empty mode's ~9, measured): the op's name is computed once per op,
+    arguments are walked directly (aten ops take tensors and lists of them, never dicts), and a storage already
+    judged for an op is skipped at once.
+    """
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # By default torch wraps a mode's __torch_dispatch__ in a dynamo-disable wrapper: ~2 of an empty
+        # mode's ~9 us per op on the H200's host (measured). Captured forwards run eagerly, and compiled ones
+        # (eager, aot_eager, inductor, a graph break) watched the same with and without it: the watch opts out.
+        return False
 
     def __init__(self, invalidated) -> None:
         super().__init__()
@@ -58,31 +84,63 @@ class CaptureWatch(TorchDispatchMode):
         self.born: set[int] = set()
         self.reads: dict[int, ReadStorage] = {}
         self.offender: str | None = None
+        self._ops: dict[Any, tuple[str, Any, set[int]]] = {}  # op -> (name, call, storages judged for it)
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = str(func)  # "aten.mm.default": the readable form is the op without its default overload
-        if name.endswith(".default"):
-            name = name[: -len(".default")]
-        for t in leaves((args, kwargs)):
-            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes():
+    def _entry(self, func: Any) -> tuple[str, Any, set[int]]:
+        entry = self._ops[func] = (*(_OPS.get(func) or _op(func)), set())
+        return entry
+
+    def _read(self, st: Any, key: int, name: str) -> None:
+        read = self.reads.get(key)
+        if read is None:
+            nbytes = st.nbytes()
+            if nbytes:
+                self.reads[key] = ReadStorage(StorageWeakRef(st), st.data_ptr(), nbytes, [name])
+        else:
+            read.ops.append(name)
+
+    def _read_all(self, items: Any, name: str, seen: set[int]) -> None:
+        for t in items:
+            if isinstance(t, _Tensor):
                 st = t.untyped_storage()
                 key = st._cdata
-                if key not in self.born:
-                    read = self.reads.get(key)
-                    if read is None:
-                        read = self.reads[key] = ReadStorage(StorageWeakRef(st), st.data_ptr(), st.nbytes())
-                    if name not in read.ops:
-                        read.ops.append(name)
+                if key not in self.born and key not in seen:
+                    seen.add(key)
+                    self._read(st, key, name)
+            elif isinstance(t, (list, tuple)):
+                self._read_all(t, name, seen)
+
+    def _born(self, out: Any) -> None:
+        if isinstance(out, _Tensor):
+            self.born.add(out.untyped_storage()._cdata)
+        elif isinstance(out, (list, tuple)):
+            for t in out:
+                self._born(t)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name, call, seen = self._ops.get(func) or self._entry(func)
+        born = self.born
+        for a in args:  # inlined: the common argument is a tensor
+            if isinstance(a, _Tensor):
+                st = a.untyped_storage()
+                key = st._cdata
+                if key not in born and key not in seen:
+                    seen.add(key)
+                    self._read(st, key, name)
+            elif isinstance(a, (list, tuple)):
+                self._read_all(a, name, seen)
+        if kwargs:
+            self._read_all(kwargs.values(), name, seen)
         try:
-            out = func(*args, **kwargs)
+            out = call(*args, **kwargs) if kwargs else call(*args)
         except BaseException:
             if self.offender is None:
                 self.offender = f"{name} at {user_frame()}"
             raise
-        for t in leaves(out):
-            if isinstance(t, torch.Tensor):
-                self.born.add(t.untyped_storage()._cdata)
+        if isinstance(out, _Tensor):
+            born.add(out.untyped_storage()._cdata)
+        else:
+            self._born(out)
         if self.offender is None and self._invalidated():
             self.offender = f"{name} at {user_frame()} (the capture was invalid after it)"
         return out
