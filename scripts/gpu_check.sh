@@ -5,6 +5,8 @@
 #   run: bash scripts/gpu_check.sh      (writes to $OUT, or ./gpu-out when OUT is unset)
 # Every step runs under one deadline (GPU_CHECK_SECONDS, default 560) so the results archive is always
 # written inside the device tool's 10-minute limit; a step that no time is left for is listed as skipped.
+# GPU_CHECK_ONLY (an extended regex) runs only the steps whose names match, for a session short of device
+# time; the others are listed as not selected.
 set -u -o pipefail
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
@@ -19,6 +21,9 @@ rc=0
 step() {
   local name=$1; shift
   local left=$((DEADLINE - SECONDS)) t0=$SECONDS r
+  if [ -n "${GPU_CHECK_ONLY:-}" ] && ! [[ $name =~ $GPU_CHECK_ONLY ]]; then
+    echo "- ${name}: not selected (GPU_CHECK_ONLY)" >> "$R/steps.md"; return
+  fi
   echo; echo "=== $name ($(date -u +%H:%M:%S), ${left}s left)"
   if [ "$left" -lt 15 ]; then
     echo "- ${name}: SKIPPED (no time left)" >> "$R/steps.md"; rc=1; return
