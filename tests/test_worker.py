@@ -104,6 +104,118 @@ def test_closures_and_lambdas_travel_with_spawn():
         assert w.start_method == "spawn"
 
 
+def _in_main(fn, name):
+    """``fn`` as a function a script defines (``__main__``), like a benchmark's own."""
+    fn.__module__ = "__main__"
+    fn.__qualname__ = fn.__name__ = name
+    setattr(sys.modules["__main__"], name, fn)
+    return fn
+
+
+def _returning(value):
+    return lambda: value
+
+
+def _applying():
+    return lambda f: f()
+
+
+def test_a_function_of_main_travels_by_reference_only_to_a_child_that_has_it(monkeypatch):
+    main = sys.modules["__main__"]
+    for name in ("cudagraph_probe", "cudagraph_apply", "cudagraph_late"):
+        monkeypatch.setattr(main, name, None, raising=False)  # removed again at the end
+    probe = _in_main(_returning("at the fork"), "cudagraph_probe")
+    apply = _in_main(_applying(), "cudagraph_apply")
+    with ReusedWorker(start_method="auto", timeout=60) as w:
+        assert w.start().start_method == "fork"
+        assert b"cloudpickle" not in worker_module.dumps_call(probe, (), {}, w._forked_main)  # by reference
+        assert w.call(probe) == "at the fork"
+        # bound again after the fork: the child has the old object, so the new one travels by value
+        assert w.call(_in_main(_returning("rebound"), "cudagraph_probe")) == "rebound"
+        # the child has ``apply`` but not what it is given: the whole call travels by value
+        assert w.call(apply, _in_main(_returning("late"), "cudagraph_late")) == "late"
+        # a child started after the parent initialized CUDA is spawned: nothing of __main__ goes by reference
+        monkeypatch.setattr(worker_module, "cuda_initialized", lambda: True)
+        w.restart_before_next_call()
+        assert w.call(apply, os.getpid) == w.pid and w.start_method == "spawn"
+
+
+def echo(x):
+    return x
+
+
+def test_messages_of_every_size_travel_intact(worker):
+    # around the size where header and payload stop going in one write, and past the pipe's buffer
+    for n in [0, 1, *range(16300, 16420, 9), 100_000, 3_000_000]:
+        data = os.urandom(n)
+        assert worker.call(echo, data) == data
+
+
+def test_the_pipe_keeps_connections_framing():
+    import multiprocessing.connection
+    import socket
+    import struct
+
+    a, b = socket.socketpair()
+    ours = worker_module._Reader(b.fileno())
+    theirs = multiprocessing.connection.Connection(os.dup(a.fileno()))
+    try:
+        # several messages in one write, the long form of the size header (Connection's for > 2 GiB)
+        a.sendall(b"\0\0\0\3abc" + b"\xff\xff\xff\xff" + (2).to_bytes(8, "big") + b"de" + b"\0\0\0\0")
+        assert [ours.recv(), ours.recv(), ours.recv()] == [b"abc", b"de", b""]
+        big = os.urandom(1_000_000)  # larger than the socket's buffer: written while read
+        sender = threading.Thread(target=theirs.send_bytes, args=(big,))
+        sender.start()
+        assert ours.recv() == big
+        sender.join()
+        for n in (5, 20_000):
+            worker_module._send_message(b.fileno(), b"x" * n)
+            assert theirs.recv_bytes() == b"x" * n
+        # a read that times out keeps what had come: the next recv() goes on from there
+        b.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 50_000))
+        for n in (100, 100_000):
+            data = os.urandom(n)
+            message = len(data).to_bytes(4, "big") + data
+            a.sendall(message[:60])
+            with pytest.raises(BlockingIOError):
+                ours.recv()
+            a.sendall(message[60:])
+            assert ours.recv() == data
+        theirs.close()
+        a.close()
+        with pytest.raises(EOFError):
+            ours.recv()
+    finally:
+        a.close()
+        b.close()
+
+
+def die_leaving_a_forked_grandchild():
+    if os.fork() == 0:  # holds the worker's end of the pipe, as a fork without exec does: no EOF
+        time.sleep(30)
+        os._exit(0)
+    os._exit(3)
+
+
+def test_a_child_dead_while_its_pipe_is_held_elsewhere_is_reported(worker):
+    t0 = time.monotonic()
+    with pytest.raises(WorkerCrashed, match="exited with code 3"):
+        worker.call(die_leaving_a_forked_grandchild)
+    assert time.monotonic() - t0 < 5
+
+
+def test_signals_handled_during_a_call_do_not_disturb_it(worker):
+    handled = []
+    old = signal.signal(signal.SIGALRM, lambda *_: handled.append(1))
+    signal.setitimer(signal.ITIMER_REAL, 0.05, 0.05)
+    try:
+        assert worker.call(nap, 0.7) is None and worker.call(echo, b"x" * 100_000) == b"x" * 100_000
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    assert len(handled) > 5
+
+
 def test_close_leaves_no_process():
     w = ReusedWorker(start_method="fork")
     pid = w.start().pid
