@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from bench.bench_runner import launch_bound_model  # noqa: E402
 from bench.common import emit  # noqa: E402
 from cudagraph_lifecycle import CUDAGraphRunner, PoolSanitizer, get_backend  # noqa: E402
 from cudagraph_lifecycle.backends import graph_apis  # noqa: E402
@@ -71,17 +72,8 @@ def unpatch(saved):
 
 
 def model(be):
-    dev = be.torch_device(0)
     dtype = torch.float16 if be.name == "cuda" else torch.float32
-    torch.manual_seed(0)
-    layers = [torch.nn.Linear(256, 256).to(dev, dtype) for _ in range(16)]
-
-    def fwd(x):
-        for lin in layers:
-            x = torch.relu(lin(x))
-        return x
-
-    return fwd, dtype
+    return launch_bound_model(be.torch_device(0), dtype), dtype
 
 
 def runner_flow(be, fwd, dtype):
@@ -132,8 +124,8 @@ def measure(be, flow, rounds, tgts):
 def layers(be, flow, rounds):
     """The floor under our capture_begin wrapper, layer by layer, in the same cold flow and without the
     sanitizer: a bare Python pass-through, + the stack our wrapper takes (CAPTURE_STACK_DEPTH frames), + an
-    entry object and a weak reference per graph (what tagging a graph costs). What ours costs above the last is the judging and
-    queueing; what the first costs no Python observer can avoid."""
+    entry object and a weak reference per graph (what tagging a graph costs). What ours costs above the last is
+    the judging and queueing; what the first costs no Python observer can avoid."""
     import weakref
 
     from cudagraph_lifecycle.ledger import CAPTURE_STACK_DEPTH, GraphEntry
@@ -146,21 +138,9 @@ def layers(be, flow, rounds):
             return orig(graph, pool, *a, **k)
         return w
 
-    def with_stack(orig):
-        def w(graph, pool=None, *a, **k):
-            orig(graph, pool, *a, **k)
-            f = getframe(1)
-            frames = [f.f_code, f.f_lasti]
-            for _ in more:
-                f = f.f_back
-                if f is None:
-                    break
-                frames += (f.f_code, f.f_lasti)
-        return w
-
     refs = {}
 
-    def with_entry(orig):
+    def layer(orig, entry):  # the stack walk as the wrapper inlines it; then, with entry, the tag
         def w(graph, pool=None, *a, **k):
             orig(graph, pool, *a, **k)
             f = getframe(1)
@@ -170,14 +150,17 @@ def layers(be, flow, rounds):
                 if f is None:
                     break
                 frames += (f.f_code, f.f_lasti)
-            g = GraphEntry(0, be.world, pool, 0, frames, None, None, 0, 0)
-            graph.__dict__["_bench_entry"] = g
-            r = g.ref = weakref.ref(graph)
-            refs[id(r)] = g
+            if entry:
+                g = GraphEntry(0, be.world, pool, 0, frames, None, None, 0, 0)
+                graph.__dict__["_bench_entry"] = g
+                r = g.ref = weakref.ref(graph)
+                refs[id(r)] = g
         return w
 
     res = {}
-    for name, make in (("python_passthrough", passthrough), ("plus_stack", with_stack), ("plus_entry_and_ref", with_entry)):
+    variants = (("python_passthrough", passthrough), ("plus_stack", lambda o: layer(o, False)),
+                ("plus_entry_and_ref", lambda o: layer(o, True)))
+    for name, make in variants:
         inner.clear()
         outer.clear()
         saved_in = patch([(owner, "capture_begin")], inner)

@@ -271,7 +271,7 @@ class Ledger:
         self.unsettled: dict[Any, Callable[[], Callable[[int, PoolId], int] | None]] = {}
         self.flushes: dict[Any, int] = {}  # world -> device cache flushes seen
         self.generation = 0
-        self.pending: deque = deque()  # (callable, args) queued by weak-reference callbacks
+        self.pending: deque = deque()  # (callable, args): captures started, weak-reference callbacks
         # the pools those events touch (None: an event of no known pool): a capture drains only for its own
         self.pending_keys: set[Key | None] = set()
         self._seq = itertools.count(1)
