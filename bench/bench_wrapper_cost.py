@@ -5,8 +5,10 @@ times nothing of its own.
 
     python bench/bench_wrapper_cost.py [--backend cuda|sim] [--rounds N] [--json PATH]
 
-Two flows: the runner's (raw ``capture_begin``/``capture_end`` into one pool, 8 graphs) and
-``torch.cuda.graph``'s (a device and a host flush before each capture), with 0 and 8 released pools pinned.
+Two flows: the runner's (8 graphs into one pool) and ``torch.cuda.graph``'s (a device and a host flush before
+each capture), with 0 and 8 released pools pinned. The runner captures through ``observe.DirectCapture``
+(the originals, one record call a graph); it is also measured with the shims in front of the capture
+wrappers, which sends it through them: what raw ``capture_begin``/``capture_end`` callers pay in that flow.
 """
 
 from __future__ import annotations
@@ -121,6 +123,44 @@ def measure(be, flow, rounds, tgts):
     return res
 
 
+def measure_direct(be, flow, rounds, tgts):
+    """The runner's own path (observe.DirectCapture): its capture_begin and capture_end are the originals, so
+    what the sanitizer adds per graph is the record call (timed from outside) and the flushes' wrappers."""
+    from cudagraph_lifecycle import observe
+
+    inner.clear()
+    outer.clear()
+    flushes = [t for t in tgts if t[1] not in ("capture_begin", "capture_end")]
+    saved_in = patch(flushes, inner)
+    cls = next(a for a in graph_apis() if a.kind == be.name).graph_cls
+    try:
+        with PoolSanitizer(be):
+            saved_out = patch(flushes, outer)
+            direct = observe.direct_capture(cls)
+            assert direct is not None, "the runner's direct path is not in place"
+            record = direct.record
+            direct.record = shim(record, "record", outer)
+            try:
+                flow()  # warm
+                inner.clear()
+                outer.clear()
+                for _ in range(rounds):
+                    flow()
+            finally:
+                direct.record = record
+                unpatch(saved_out)
+    finally:
+        unpatch(saved_in)
+    res = {}
+    for name in outer:
+        o, i = outer[name], inner.get(name) or [0] * len(outer[name])
+        diff = [a - b for a, b in zip(o, i)]
+        res[name] = {"calls": len(o), "wrapper_us_median": statistics.median(diff) / 1e3,
+                     "wrapper_us_mean": statistics.fmean(diff) / 1e3}
+    res["wrapper_us_per_capture"] = sum(v["wrapper_us_mean"] * v["calls"] for v in res.values()) / (8 * rounds)
+    return res
+
+
 def layers(be, flow, rounds):
     """The floor under our capture_begin wrapper, layer by layer, in the same cold flow and without the
     sanitizer: a bare Python pass-through, + the stack our wrapper takes (CAPTURE_STACK_DEPTH frames), + an
@@ -193,7 +233,10 @@ def main():
     tgts = targets(be.name)
     fwd, dtype = model(be)
     out = {"backend": be.name, "torch": torch.__version__}
-    out["runner"] = measure(be, lambda: runner_flow(be, fwd, dtype), a.rounds, tgts)
+    out["runner"] = measure_direct(be, lambda: runner_flow(be, fwd, dtype), a.rounds, tgts)
+    # the same flow with a shim in front of the capture wrappers, which turns the runner's direct path off:
+    # what a caller of raw capture_begin/capture_end pays in it
+    out["runner_through_wrappers"] = measure(be, lambda: runner_flow(be, fwd, dtype), a.rounds, tgts)
     out["runner_capture_begin_layers"] = layers(be, lambda: runner_flow(be, fwd, dtype), a.rounds)
     dev = be.torch_device(0)
     x = torch.ones(64, 256, device=dev)

@@ -53,6 +53,28 @@ def runner_capture_failure():
             "pools": [s.as_dict() for s in rep.pools]}
 
 
+def runner_first_capture_fails_then_next_key():
+    """The first key's first capture raises, the second key captures: on a fresh pool id."""
+    be = get_backend("cuda")
+
+    calls = []
+
+    def fwd(x, mode):
+        calls.append(mode)
+        if mode == "raise" and len(calls) > 1:  # its warm-up runs, its capture raises
+            raise RuntimeError("not capturable")
+        return x * 2
+
+    r = CUDAGraphRunner(fwd, [2, 4], (64,), backend=be, warmup=1, extra_keys=[{"mode": "raise"}, {"mode": "plain"}])
+    r.capture()
+    x = torch.randn(3, 64, device="cuda")
+    ok = torch.allclose(r.run(x, mode="plain"), x * 2)
+    st = r.stats
+    rep = r.release()
+    return {"ok": ok, "captures": st.captures, "failures": st.capture_failures, "replays": st.replays,
+            "pools": len(r.pool_ids), "clean": rep.clean}
+
+
 def lazy_pool_mempool_use_count():
     be = get_backend("cuda")
     lp = LazyPool(be)

@@ -20,6 +20,11 @@ def test_capture_failure_falls_back_and_release_still_frees(cudagraph_worker):
     assert r["clean"], r["pools"]
 
 
+def test_a_failed_first_capture_moves_the_runner_to_a_fresh_pool(cudagraph_worker):
+    r = cudagraph_worker.call(gpu_cases.runner_first_capture_fails_then_next_key)
+    assert r == {"ok": True, "captures": 2, "failures": 1, "replays": 1, "pools": 2, "clean": True}, r
+
+
 def test_lazy_pool_owns_a_mempool(cudagraph_worker):
     r = cudagraph_worker.call(gpu_cases.lazy_pool_mempool_use_count)
     assert r["mode"] == "mempool" and r["counts"] == [1] and not r["exists_after"]

@@ -153,3 +153,77 @@ def test_cache_flushes_read_the_allocators_books_only_when_asked(monkeypatch):
         assert san.stale_caught == 0
         with pytest.raises(Exception, match="stale pool"), be.graph(be.new_graph(), pool=pinned[1], stream=s):
             pass
+
+
+def _runner_ledger_view(be, run):
+    """What the ledger holds about one runner's capture, in order: (pool, device, scope, site, captured)."""
+    from cudagraph_lifecycle import CUDAGraphRunner
+
+    def fwd(x):
+        return (x * 2).relu()
+
+    with ledger.engine_scope("direct-or-not"):
+        r = CUDAGraphRunner(fwd, [1, 2, 4], (8,), backend=be, warmup=1)
+        run(r)  # the user's line: where each graph says it was captured
+    graphs = sorted(ledger.live_graphs(be.world), key=lambda g: g.seq)
+    (_, pid), = r.pool_ids
+    view = [(g.pool_id == pid, g.device, g.scope, g.site.rsplit(" in ", 1)[-1], g.captured) for g in graphs]
+    pool = ledger.pool(be.world, 0, pid)
+    counts = (pool.held, pool.captures, pool.dead)
+    r.release()
+    return view, counts, ledger.pool(be.world, 0, pid) is None  # released and flushed: erased
+
+
+def test_the_runners_direct_capture_path_records_what_the_wrappers_record():
+    """The runner captures through DirectCapture (no wrapper frames, one stack per capture() call); with
+    something else in front of our capture wrapper it calls the graph's methods as anyone would. The ledger
+    must hold the same either way: entries, pools, sites, counts; and a dead pool is still judged."""
+    be = SimBackend()
+    cls = type(be.new_graph())
+    with PoolSanitizer(be):
+        assert observe.direct_capture(cls) is not None
+
+        def user_captures(r):
+            r.capture()
+
+        direct = _runner_ledger_view(be, user_captures)
+        ours = cls.capture_begin
+        seen = []
+
+        def foreign(graph, *a, **k):  # another tool's wrapper in front of ours: the runner must go through it
+            seen.append(type(graph))
+            return ours(graph, *a, **k)
+
+        cls.capture_begin = foreign
+        try:
+            assert observe.direct_capture(cls) is None
+            wrapped = _runner_ledger_view(be, user_captures)
+        finally:
+            cls.capture_begin = ours
+        assert len(seen) == 3
+    # the same, but where each graph says it was captured: the innermost frame outside the library, which
+    # the foreign wrapper is
+    assert [v[3] for v in direct[0]] == ["user_captures"] * 3 and [v[3] for v in wrapped[0]] == ["foreign"] * 3
+    assert [v[:3] + v[4:] for v in direct[0]] == [v[:3] + v[4:] for v in wrapped[0]]
+    assert direct[1:] == wrapped[1:]
+    view, counts, erased = direct
+    assert [v[4] for v in view] == [True] * 3 and all(v[0] and v[2] == "direct-or-not" for v in view)
+    assert counts == (3, 3, False) and erased
+    assert observe.direct_capture(cls) is None  # not installed
+
+
+def test_the_runners_direct_path_judges_a_dead_pool():
+    """A LazyPool whose id went dead under another runner: the direct path raises before the allocator."""
+    from cudagraph_lifecycle import CUDAGraphRunner, LazyPool, StalePoolError
+
+    be = SimBackend()
+    with PoolSanitizer(be):
+        pool = LazyPool(be)
+        pid = pool.acquire(0)
+        g = be.new_graph()
+        Ctx(be).step(g, pid)
+        g.reset()  # every graph of the pool released: dead until both caches are flushed
+        r = CUDAGraphRunner(lambda x: x + 1, [2], (4,), backend=be, warmup=0, pool=pool)
+        with pytest.raises(StalePoolError):
+            r.capture()
+        assert be.poisoned is None

@@ -102,6 +102,40 @@ def test_capture_failure_is_recorded_and_released():
     assert rep.clean, rep
 
 
+def test_a_failed_first_capture_moves_the_next_key_to_a_fresh_pool():
+    """The first key's first capture raises: its reference is given back and no graph holds the pool, so the
+    pool is dead; the next key must not capture into it (the stale-pool assert), with or without a sanitizer."""
+    from cudagraph_lifecycle import PoolSanitizer
+
+    for sanitized in (False, True):
+        be = SimBackend()
+
+        calls = []
+
+        def fwd(x, mode, calls=calls):
+            calls.append(mode)
+            if mode == "raise" and len(calls) > 1:  # its warm-up runs, its capture raises
+                raise RuntimeError("not capturable")
+            return x * 2
+
+        r = CUDAGraphRunner(fwd, [2, 4], (8,), backend=be, warmup=1,
+                            extra_keys=[{"mode": "raise"}, {"mode": "plain"}])
+        if sanitized:
+            with PoolSanitizer(be):
+                r.capture()
+        else:
+            r.capture()
+        assert be.poisoned is None
+        assert r.stats.capture_failures == 1 and r.stats.captures == 2
+        assert sorted(k for k, _ in r.keys) == [2, 4]
+        assert len(r.pool_ids) == 2  # the dead id, then the fresh one
+        x = torch.randn(3, 8)
+        assert torch.allclose(r.run(x, mode="plain"), x * 2)
+        assert r.stats.replays == 1
+        rep = r.release()
+        assert rep.clean, rep
+
+
 def test_release_frees_the_pool_and_is_idempotent():
     be = SimBackend()
     r = make(be)

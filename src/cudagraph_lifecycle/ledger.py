@@ -45,6 +45,16 @@ SITES = 4  # capture stacks kept per pool (its first captures): where a finding 
 _REMEMBERED = 4096  # erased pools and unused mints remembered, oldest forgotten first
 
 
+def capture_frames(skip: int = 1) -> list:
+    """The caller's stack as a capture keeps it (CAPTURE_STACK_DEPTH frames, flat as :class:`Stack` holds them)."""
+    frames: list = []
+    f = sys._getframe(skip)
+    while f is not None and len(frames) < 2 * CAPTURE_STACK_DEPTH:
+        frames += (f.f_code, f.f_lasti)
+        f = f.f_back
+    return frames
+
+
 def _line_of(code, lasti: int) -> int:
     for start, end, line in code.co_lines():
         if start <= lasti < end and line is not None:

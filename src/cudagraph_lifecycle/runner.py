@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from . import checks
+from . import checks, observe
 from .backends import Backend, PoolId, PoolState, get_backend
 from .errors import (
     CapturedAddressError,
@@ -26,6 +26,7 @@ from .errors import (
     PoolNotReleasedError,
     RunnerReleasedError,
 )
+from .ledger import capture_frames
 from .pool import LazyPool
 from .trees import leaves, map_leaves
 
@@ -224,6 +225,7 @@ class CUDAGraphRunner:
         self._released = False
         self._release_report: ReleaseReport | None = None
         self._pool_ids: list[tuple[int, PoolId]] = []
+        self._frames: list = []  # the stack of the current capture() call, as the ledger keeps stacks
         self._stats = RunnerStats()
         self._fallbacks: Counter[str] = Counter()
         self.checks = checks.selected(checked)
@@ -256,19 +258,36 @@ class CUDAGraphRunner:
             dev = self.backend.torch_device(self.device)
             self._static_in = torch.zeros((self.batch_sizes[-1], *self.feature_shape), dtype=self.dtype, device=dev)
             self._stream = self.backend.capture_stream(self.device)
-            pool_id = self.pool.acquire(self.device)
-            self.pool.check_capturable(pool_id, self.device)
-            if (self.device, pool_id) not in self._pool_ids:
-                self._pool_ids.append((self.device, pool_id))
-            self._stats.pool_id = pool_id
+            self._frames = capture_frames()  # where this capture was asked for: one stack for all its graphs
+            pool_id, dead = self._take_pool(), False
             for bs in reversed(self.batch_sizes):
                 for ekey in self.extra_keys:
-                    if ekey not in self._failed:
-                        self._capture_one(bs, ekey, pool_id)
+                    if ekey in self._failed:
+                        continue
+                    if dead:  # capturing into it again would be the stale-pool assert: a fresh id
+                        pool_id, dead = self._fresh_pool(), False
+                    # a failed capture gave its reference back: with no graph of ours left, the pool is dead
+                    dead = self._capture_one(bs, ekey, pool_id) is False and not self._graphs
         except BaseException:
             self._abandon_capture()
             raise
         self._captured = True
+
+    def _take_pool(self) -> PoolId:
+        pool_id = self.pool.acquire(self.device)
+        self.pool.check_capturable(pool_id, self.device)
+        if (self.device, pool_id) not in self._pool_ids:
+            self._pool_ids.append((self.device, pool_id))
+        self._stats.pool_id = pool_id
+        return pool_id
+
+    def _fresh_pool(self) -> PoolId:
+        """Retire the pool's dead id and take a new one; flush the caches so the allocator erases the old."""
+        self.pool.retire()
+        self.backend.synchronize(self.device)
+        self.backend.empty_cache()
+        self.backend.host_empty_cache()
+        return self._take_pool()
 
     def _abandon_capture(self) -> None:
         while self._graphs:  # one by one: a loop variable bound to an output would pin its segment
@@ -281,7 +300,9 @@ class CUDAGraphRunner:
         self.backend.empty_cache()
         self.backend.host_empty_cache()
 
-    def _capture_one(self, bs: int, ekey: ExtraKey, pool_id: PoolId) -> None:
+    def _capture_one(self, bs: int, ekey: ExtraKey, pool_id: PoolId) -> bool | None:
+        """Capture one graph: True when captured; False when its capture failed, None when its eager warm-up
+        did (both recorded, and the key's graphs reset; only a failed capture touched the pool)."""
         be = self.backend
         x = self._static_in[:bs]
         kwargs = dict(ekey)
@@ -298,12 +319,20 @@ class CUDAGraphRunner:
                 be.synchronize(self.device)
             except Exception as e:  # eager failure: the key cannot run at all, record it
                 err = e
+            eager_failed = err is not None
             if err is None:
                 watch = checks.CaptureWatch(be.capture_invalidated) if "capture" in self.checks else None
                 reserved = be.memory_reserved(self.device)
                 t0 = time.perf_counter()
+                direct = observe.direct_capture(type(graph))
                 with be.stream(self._stream):
-                    graph.capture_begin(pool=pool_id)
+                    if direct is None:
+                        graph.capture_begin(pool=pool_id)
+                    else:  # what the sanitizer's wrappers do, without their frames and a stack walk per graph
+                        if direct.dead or direct.pending_keys:
+                            direct.judge(be, self.device, pool_id)
+                        direct.begin(graph, pool_id)
+                        entry = direct.record(graph, be, self.device, pool_id, self._frames)
                     try:
                         if watch is None:
                             out = self.forward(x, **kwargs)
@@ -313,7 +342,11 @@ class CUDAGraphRunner:
                     except BaseException as e:  # an interrupt too: the capture must be ended either way
                         err = e
                     try:
-                        graph.capture_end()
+                        if direct is None:
+                            graph.capture_end()
+                        else:
+                            direct.end(graph)
+                            entry.captured = True
                     except Exception as e:
                         err = err or e
                 self._stats.capture_ms += (time.perf_counter() - t0) * 1e3
@@ -350,9 +383,10 @@ class CUDAGraphRunner:
             self._stats.failures.append(msg)
             for key in [k for k in self._graphs if k[1] == ekey]:  # a key is all-or-nothing
                 self._graphs.pop(key)[0].reset()
-            return
+            return None if eager_failed else False
         self._graphs[(bs, ekey)] = (graph, out)
         self._stats.captures += 1
+        return True
 
     def _validate(self, x: torch.Tensor) -> int:
         if not isinstance(x, torch.Tensor):

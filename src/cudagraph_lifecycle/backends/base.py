@@ -69,7 +69,8 @@ class GraphAPI:
     this kind answers for.
 
     * ``graph_cls``: the class whose ``capture_begin``, ``capture_end`` and ``reset`` are wrapped;
-      ``graph_backend(graph)`` and ``capture_device(graph)`` read a graph's world and the device it captures on.
+      ``graph_backend(graph)`` and ``capture_device(graph)`` read a graph's world and the device it captures on
+      (``current_device()``, where given, reads the latter without a Python call: captures are timed).
     * ``handles``: functions returning a new pool id; ``parse(args, kwargs, result) -> (backend, pool_id)``.
     * ``mempool_cls`` and ``mempool_parse(mp) -> (backend, device, pool_id)``: pool objects that hold a device
       reference of their own while alive.
@@ -83,6 +84,7 @@ class GraphAPI:
     graph_cls: type
     graph_backend: Callable[[Any], Backend | None]
     capture_device: Callable[[Any], int]
+    current_device: Callable[[], int] | None = None
     handles: tuple[Hook, ...] = ()
     mempool_cls: type | None = None
     mempool_parse: Callable[[Any], tuple] | None = None

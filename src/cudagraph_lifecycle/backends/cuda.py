@@ -297,6 +297,7 @@ class CudaBackend(Backend):
             graph_cls=graph_cls,
             graph_backend=backend,
             capture_device=capture_device,
+            current_device=reader,
             handles=tuple(owners),
             mempool_cls=getattr(torch.cuda, "MemPool", None),
             mempool_parse=mempool,

@@ -23,7 +23,10 @@ from .wrappers import Hooks, Judge
 
 _lock = threading.RLock()
 _holders = 0
-_saved: list[tuple[Any, str, Any]] = []  # (owner, name, original or None if inherited), in patch order
+# (owner, name, what to restore: the original, or None where it was inherited; what the wrapper calls)
+_saved: list[tuple[Any, str, Any, Any]] = []
+# graph class -> (its DirectCapture, the capture_begin and capture_end wrappers it stands for)
+_direct: dict[type, tuple[wrappers.DirectCapture, Any, Any]] = {}
 _judges: dict[Any, list[Judge]] = {}
 hooks = Hooks(ledger, _judges)
 
@@ -31,15 +34,18 @@ hooks = Hooks(ledger, _judges)
 def _patch(owner: Any, name: str, make) -> None:
     own = name in vars(owner)  # a class may inherit the method: restore by deleting our override then
     original = getattr(owner, name)
-    _saved.append((owner, name, original if own else None))
+    _saved.append((owner, name, original if own else None, original))
     setattr(owner, name, make(original))
 
 
 def _install() -> None:
     for api in graph_apis():
         cls = api.graph_cls
-        _patch(cls, "capture_begin", lambda f, a=api: wrappers.capture_begin(a, hooks, f))
+        record = wrappers.recorder(hooks)
+        _patch(cls, "capture_begin", lambda f, a=api, r=record: wrappers.capture_begin(a, hooks, f, r))
         _patch(cls, "capture_end", lambda f, a=api: wrappers.capture_end(a, hooks, f))
+        (*_, begin), (*_, end) = _saved[-2:]
+        _direct[cls] = (wrappers.DirectCapture(hooks, begin, end, record), cls.capture_begin, cls.capture_end)
         _patch(cls, "reset", lambda f, a=api: wrappers.reset(a, hooks, f))
         _patch(cls, "replay", lambda f, a=api: wrappers.replay(a, hooks, f))
         for owner, name, parse in api.handles:
@@ -55,8 +61,9 @@ def _install() -> None:
 
 
 def _uninstall() -> None:
+    _direct.clear()
     while _saved:
-        owner, name, original = _saved.pop()
+        owner, name, original, _ = _saved.pop()
         if original is None:
             delattr(owner, name)
         else:
@@ -85,6 +92,22 @@ def release() -> None:
 
 def installed() -> bool:
     return _holders > 0
+
+
+def direct_capture(graph_cls: type) -> wrappers.DirectCapture | None:
+    """The direct capture path for graphs of ``graph_cls`` (see :class:`~.wrappers.DirectCapture`), or None
+    where the layer is not installed or something else now stands in front of our capture wrappers (then the
+    caller calls the graph's methods as anyone would)."""
+    found = _direct.get(graph_cls)
+    if found is None:
+        for cls in graph_cls.__mro__[1:]:  # a subclass of a watched class
+            found = _direct.get(cls)
+            if found is not None:
+                break
+    if found is None:
+        return None
+    direct, begin, end = found
+    return direct if graph_cls.capture_begin is begin and graph_cls.capture_end is end else None
 
 
 def add_judge(world: Any, judge: Judge) -> None:

@@ -110,38 +110,66 @@ class Hooks:
         self._refs[id(r)] = g
 
 
-def capture_begin(api: GraphAPI, hooks: Hooks, original):
-    backend_of, device_of = api.graph_backend, api.capture_device
+def recorder(hooks: Hooks) -> Callable[..., GraphEntry]:
+    """``record(graph, be, device, pool, frames)``: tag a graph whose capture began with its ledger entry and
+    queue counting it into its pool. Shared by the capture wrapper and :class:`DirectCapture`."""
     led, worlds, new_graph, register = hooks.ledger, hooks.worlds, hooks.ledger.new_graph, hooks.register
     # the ledger's containers are cleared in place (fork, forgotten worlds): bound once, read per capture
-    pending, pending_keys, dead, refs, gone = led.pending, led.pending_keys, led.dead, hooks._refs, hooks._gone
+    pending, refs, gone = led.pending, hooks._refs, hooks._gone
+
+    def record(graph: Any, be: Backend, device: int, pool: tuple | None, frames: list) -> GraphEntry:
+        world = be.world
+        d = getattr(graph, "__dict__", None)
+        if d is None:
+            g = led.capture_begun(world, device, pool, frames)
+            hooks.tag(graph, g)
+        else:
+            g = new_graph(world, device, pool, frames)
+            pending.append((register, (g, d.get(TAG))))
+            d[TAG] = g
+            r = g.ref = weakref.ref(graph, gone)
+            refs[id(r)] = g
+            if len(pending) > 256:  # a process that only captures must not grow the queue for ever
+                with led.lock:
+                    led.drain()
+        if world not in worlds:
+            hooks.saw(be)
+        return g
+
+    return record
+
+
+def capture_begin(api: GraphAPI, hooks: Hooks, original, record: Callable[..., GraphEntry]):
+    backend_of, device_of, current_device = api.graph_backend, api.capture_device, api.current_device
+    led = hooks.ledger
+    pending_keys, dead = led.pending_keys, led.dead
     getframe, more = sys._getframe, range(_DEPTH - 1)
 
     # Everything here runs right after the model's warm-up has evicted the host's caches: on the H200 each
-    # object touched costs microseconds (measured: bench/bench_wrapper_cost.py). So the capture path judges,
-    # takes the stack and tags the graph; counting it into its pool is queued for the ledger's next operation
-    # (a reset, a flush, a query), where a runner's graphs are counted together, warm. A destruction before
-    # then is queued behind it by the weak reference's callback.
+    # object touched costs microseconds (measured: bench/bench_wrapper_cost.py). So the capture path judges
+    # (only where a pool is dead or an event is queued), takes the stack and tags the graph; counting it into
+    # its pool is queued for the ledger's next operation (a reset, a flush, a query), where a runner's graphs
+    # are counted together, warm. A destruction before then is queued behind it by the weak reference.
     @functools.wraps(original)
     def wrapper(graph, pool=None, *args, **kwargs):  # no **kwargs dict built for the common call
         be = backend_of(graph)
         if be is None:
             return original(graph, pool, *args, **kwargs)
-        world = be.world
         given = pool  # the original gets the caller's object untouched
-        device = device_of(graph)
+        device = current_device() if current_device is not None else device_of(graph)
         if pool is not None:
             if type(pool) is not tuple:
                 pool = tuple(pool)
             if pool == (0, 0):
                 pool = None
-            else:
+            elif dead or pending_keys:
+                key = (be.world, device, pool)
                 # a graph destroyed since the last call may have made the pool dead: apply what concerns it
-                if pending and ((world, device, pool) in pending_keys or len(pending) > 256):
+                if key in pending_keys:
                     with led.lock:
                         led.drain()
-                if dead:
-                    hooks.judge(world, device, pool)
+                if key in dead:
+                    hooks.judge(*key)
         original(graph, given, *args, **kwargs)
         f = getframe(1)  # the stack as Stack keeps it, built inline: one list, no call
         frames = [f.f_code, f.f_lasti]
@@ -150,19 +178,37 @@ def capture_begin(api: GraphAPI, hooks: Hooks, original):
             if f is None:
                 break
             frames += (f.f_code, f.f_lasti)
-        d = getattr(graph, "__dict__", None)
-        if d is None:
-            hooks.tag(graph, led.capture_begun(world, device, pool, frames))
-        else:
-            g = new_graph(world, device, pool, frames)
-            pending.append((register, (g, d.get(TAG))))
-            d[TAG] = g
-            r = g.ref = weakref.ref(graph, gone)
-            refs[id(r)] = g
-        if world not in worlds:
-            hooks.saw(be)
+        record(graph, be, device, pool, frames)
 
     return wrapper
+
+
+class DirectCapture:
+    """The capture path for code that makes its own captures and knows where they go (the runner): the
+    originals under the observation layer's capture wrappers, and what those wrappers do, split so the caller
+    takes the stack once for all its graphs and judges only where a pool is dead or an event is queued:
+
+        if d.dead or d.pending_keys: d.judge(be, device, pool)
+        d.begin(graph, pool); g = d.record(graph, be, device, pool, frames)
+        ... the capture ...
+        d.end(graph); g.captured = True  # (only once the original capture_end returned)
+
+    The ledger receives exactly what the wrappers would give it. Valid while both wrappers are the graph
+    class's methods (:func:`cudagraph_lifecycle.observe.direct_capture` checks)."""
+
+    def __init__(self, hooks: Hooks, begin, end, record: Callable[..., GraphEntry]):
+        self.begin, self.end, self.record = begin, end, record
+        self.hooks = hooks
+        self.dead, self.pending_keys = hooks.ledger.dead, hooks.ledger.pending_keys  # cleared in place, never rebound
+
+    def judge(self, be: Backend, device: int, pool: tuple) -> None:
+        """What the capture wrapper does before the original: apply queued events about the pool, judge it."""
+        led, key = self.hooks.ledger, (be.world, device, tuple(pool))
+        if key in led.pending_keys:
+            with led.lock:
+                led.drain()
+        if key in led.dead:
+            self.hooks.judge(*key)
 
 
 def capture_end(api: GraphAPI, hooks: Hooks, original):
