@@ -128,6 +128,11 @@ def test_cache_flushes_read_the_allocators_books_only_when_asked(monkeypatch):
     books = be.pool_bytes
     monkeypatch.setattr(be, "pool_bytes", lambda device=0: reads.append(device) or books(device))
     x, s = torch.ones(4, 8), be.new_stream()
+    gc.collect()  # earlier tests' worlds and graphs gone, their events applied: no flush needs counting
+    with PoolSanitizer("sim"):
+        get_backend("sim").empty_cache()  # the process's world lives on: its released pools see a flush
+    ledger.snapshot()
+    assert not (ledger.unflushed or ledger.pending_keys), (ledger.unflushed, ledger.pending_keys)
     with PoolSanitizer(be) as san:
         pinned, kept = [], []
         for _ in range(3):  # released pools, each pinned by its output
@@ -136,14 +141,17 @@ def test_cache_flushes_read_the_allocators_books_only_when_asked(monkeypatch):
             with be.graph(g, pool=pinned[-1], stream=s):
                 kept.append(x * 2)
             g.reset()
+        # a flush is counted only while a released pool waits for one: before the 2nd and 3rd captures above
+        assert ledger.flushes[be.world] == 2
         pool, graphs = be.graph_pool_handle(), []
         for _ in range(5):
             graphs.append(be.new_graph())
             with be.graph(graphs[-1], pool=pool, stream=s):
                 x + 1
-        assert reads == []
-        del kept[0]  # its pool unpinned: the next flush erases it
+        assert reads == [] and ledger.flushes[be.world] == 3  # the first flush here saw the third pool's release
+        del kept[0]  # its pool unpinned: the next flush erases it (uncounted: every released pool saw one)
         be.empty_cache()
+        assert ledger.flushes[be.world] == 3
         alive = {e.pool_id for e in ledger.snapshot(be.world)}
         assert len(reads) == 1
         assert tuple(pinned[0]) not in alive and {tuple(pinned[1]), tuple(pinned[2]), tuple(pool)} <= alive

@@ -280,6 +280,9 @@ class Ledger:
         # gone): how a settle() learns which flushed pools the flushes erased
         self.unsettled: dict[Any, Callable[[], Callable[[int, PoolId], int] | None]] = {}
         self.flushes: dict[Any, int] = {}  # world -> device cache flushes seen
+        # world -> its dead pools no flush was counted for since their release (or their last settle): only
+        # while one exists does a device flush need counting (the flush wrapper's cheap way out otherwise)
+        self.unflushed: dict[Any, set[Key]] = {}
         self.generation = 0
         self.pending: deque = deque()  # (callable, args): captures started, weak-reference callbacks
         # the pools those events touch (None: an event of no known pool): a capture drains only for its own
@@ -297,7 +300,7 @@ class Ledger:
             container.clear()
         self.retired.clear()
         for counts in (self.captures_by_scope, self.replays_by_scope, self.unreplayed_by_scope, self.hazards,
-                       self.peak_bytes, self.unsettled, self.flushes):
+                       self.peak_bytes, self.unsettled, self.flushes, self.unflushed):
             counts.clear()
         self.scope = self.test = None
         self.generation += 1
@@ -321,6 +324,7 @@ class Ledger:
             self.drain()
             self.unsettled.pop(world, None)
             self.flushes.pop(world, None)
+            self.unflushed.pop(world, None)
             for store in (self.pools, self.dead, self.host_dead, self.erased):
                 for key in [k for k in store if k[0] == world]:
                     del store[key]
@@ -357,13 +361,28 @@ class Ledger:
                 self._forget_oldest_dead()
             return
         self.dead.pop(key, None)
+        self._flushed(e)
         if not (e.device_alive or e.host_alive or e.graphs or e.device_extra):
             self._to_erased(e)
+
+    def _unflushed(self, e: PoolEntry) -> None:
+        """The pool was released (or its books read) now: a device flush from here on may erase it."""
+        e.checked = self.flushes.get(e.world, 0)
+        if e.device_alive and e.device_count <= 0:
+            self.unflushed.setdefault(e.world, set()).add(e.key)
+
+    def _flushed(self, e: PoolEntry) -> None:
+        keys = self.unflushed.get(e.world)
+        if keys is not None:
+            keys.discard(e.key)
+            if not keys:
+                del self.unflushed[e.world]
 
     def _to_erased(self, e: PoolEntry) -> None:
         """Drop a pool's entry, keeping what ``reused`` needs in the bounded record of erased pools."""
         self.pools.pop(e.key, None)
         self.host_dead.pop(e.key, None)
+        self._flushed(e)
         self.erased[e.key] = (e.scopes, e.minted_at, e.tests)
         while len(self.erased) > _REMEMBERED:
             self.erased.popitem(last=False)
@@ -499,7 +518,7 @@ class Ledger:
         e.held -= 1
         if e.device_count <= 0 or e.host_count <= 0:
             e.released_at = where
-            e.checked = self.flushes.get(e.world, 0)
+            self._unflushed(e)
         self.restate(e)
 
     def graph_destroyed(self, g: GraphEntry) -> None:
@@ -562,7 +581,7 @@ class Ledger:
                 e.device_alive = True
             elif e.device_count <= 0:
                 e.released_at = where
-                e.checked = self.flushes.get(world, 0)
+                self._unflushed(e)
             self.restate(e)
 
     def device_flushed(self, world: Any, reader: Callable[[], Callable[[int, PoolId], int] | None]) -> None:
@@ -580,6 +599,7 @@ class Ledger:
                 self.drain()
             self.flushes[world] = self.flushes.get(world, 0) + 1
             self.unsettled[world] = reader
+            self.unflushed.pop(world, None)
 
     def maybe_erased(self, e: PoolEntry) -> bool:
         """A released pool that a device flush since its release (or its last settle) may have erased."""
@@ -595,12 +615,12 @@ class Ledger:
                 read = self.unsettled[w]() if flushed else None
                 erased = [e for e in flushed if read is not None and read(e.device, e.pool_id) == 0]
                 del self.unsettled[w]
-                now = self.flushes.get(w, 0)
                 for e in flushed:
-                    e.checked = now
-                for e in erased:
-                    e.device_alive = False
-                    self.restate(e)
+                    if e in erased:
+                        e.device_alive = False
+                        self.restate(e)
+                    else:  # still there when read: the next flush may erase it
+                        self._unflushed(e)
 
     def watch_pool_bytes(self, scope: str) -> None:
         """Keep the peak bytes of the pools ``scope`` captures into (a budget's test): see :meth:`before_flush`."""

@@ -296,9 +296,14 @@ def flush(parse, hooks: Hooks, original, host: bool):
     """A cache flush: afterwards the pools that allocator erased may be created afresh under their ids."""
     led = hooks.ledger
     readers: dict = {}  # world -> how to read its books later: one per world, not one per flush
+    # torch.cuda.graph flushes both caches before every capture: most flushes find nothing to record (no
+    # released pool waits for one, no event is queued), and pass straight through
+    unflushed, host_dead, pending_keys, peak = led.unflushed, led.host_dead, led.pending_keys, led.peak_bytes
 
     @functools.wraps(original)
     def wrapper(*args, **kwargs):
+        if not (pending_keys or (host_dead if host else unflushed or peak)):
+            return original(*args, **kwargs)
         be = parse(args, kwargs)
         if be is not None and not host and led.peak_bytes:  # a budget's test: read its pools before they go
             led.before_flush(be.world, be.pool_bytes_reader())
