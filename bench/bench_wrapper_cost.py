@@ -163,12 +163,12 @@ def measure_direct(be, flow, rounds, tgts):
 
 def layers(be, flow, rounds):
     """The floor under our capture_begin wrapper, layer by layer, in the same cold flow and without the
-    sanitizer: a bare Python pass-through, + the stack our wrapper takes (CAPTURE_STACK_DEPTH frames), + an
-    entry object and a weak reference per graph (what tagging a graph costs). What ours costs above the last is
-    the judging and queueing; what the first costs no Python observer can avoid."""
-    import weakref
+    sanitizer: a bare Python pass-through, + the stack our wrapper takes (CAPTURE_STACK_DEPTH frames), + the
+    ledger's entry (a weak reference to the graph) stored on the graph. What ours costs above the last is the
+    judging and queueing; what the first costs no Python observer can avoid."""
+    from cudagraph_lifecycle.ledger import CAPTURE_STACK_DEPTH, Ledger
 
-    from cudagraph_lifecycle.ledger import CAPTURE_STACK_DEPTH, GraphEntry
+    new_graph = Ledger().new_graph  # a ledger of its own: these entries are never counted anywhere
 
     owner = next(a for a in graph_apis() if a.kind == be.name).graph_cls
     getframe, more = sys._getframe, range(CAPTURE_STACK_DEPTH - 1)
@@ -178,7 +178,8 @@ def layers(be, flow, rounds):
             return orig(graph, pool, *a, **k)
         return w
 
-    refs = {}
+    def gone(_entry):
+        pass
 
     def layer(orig, entry):  # the stack walk as the wrapper inlines it; then, with entry, the tag
         def w(graph, pool=None, *a, **k):
@@ -191,15 +192,12 @@ def layers(be, flow, rounds):
                     break
                 frames += (f.f_code, f.f_lasti)
             if entry:
-                g = GraphEntry(0, be.world, pool, 0, frames, None, None, 0, 0)
-                graph.__dict__["_bench_entry"] = g
-                r = g.ref = weakref.ref(graph)
-                refs[id(r)] = g
+                graph.__dict__["_bench_entry"] = new_graph(graph, gone, be.world, 0, pool, frames)
         return w
 
     res = {}
     variants = (("python_passthrough", passthrough), ("plus_stack", lambda o: layer(o, False)),
-                ("plus_entry_and_ref", lambda o: layer(o, True)))
+                ("plus_entry", lambda o: layer(o, True)))
     for name, make in variants:
         inner.clear()
         outer.clear()
@@ -219,7 +217,6 @@ def layers(be, flow, rounds):
             unpatch(saved_in)
         diff = [a - b for a, b in zip(outer["capture_begin"], inner["capture_begin"])]
         res[name] = {"us_median": statistics.median(diff) / 1e3, "us_mean": statistics.fmean(diff) / 1e3}
-        refs.clear()
     return res
 
 

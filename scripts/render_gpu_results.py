@@ -92,7 +92,9 @@ def main(folder: str) -> None:
                 print(f"| `check_addresses()` (4 graphs of 16 layers) | {chk['check_addresses_us']:.0f} µs a call | |")
     wc = load(folder, "bench-wrapper-cost.json")
     if wc:
-        for flow in ("runner", "graph_0_pinned", "graph_8_pinned"):
+        for flow in ("runner", "runner_through_wrappers", "graph_0_pinned", "graph_8_pinned"):
+            if flow not in wc:
+                continue
             calls = {k: v for k, v in wc[flow].items() if isinstance(v, dict)}
             print(f"| wrapper cost, {flow.replace('_', ' ')}: µs a capture; median per call | "
                   f"{wc[flow]['wrapper_us_per_capture']:.1f}; "

@@ -26,6 +26,7 @@ import os
 import sys
 import threading
 import traceback
+import weakref
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -143,8 +144,13 @@ def sites_of(stacks: list[list]) -> list[str]:
     return out
 
 
-@dataclass(slots=True, eq=False)
-class GraphEntry:
+class GraphEntry(weakref.ref):
+    """One captured graph, as the ledger keeps it. It is itself a weak reference to the graph, whose callback
+    sees the graph's destruction: one object per capture, built without a Python ``__init__`` (captures are
+    timed; :meth:`Ledger.new_graph` sets the fields). Compared and hashed by identity."""
+
+    __slots__ = ("gid", "world", "pool_id", "device", "frames", "scope", "test", "generation", "seq", "captured",
+                 "replays", "alive", "counted")
     gid: int
     world: Any
     pool_id: PoolId | None  # None until capture_end for a capture without a pool argument
@@ -154,11 +160,17 @@ class GraphEntry:
     test: str | None  # the test running when it was captured (the pytest plugin says which)
     generation: int  # the ledger's generation: entries from before a fork are not this process's
     seq: int  # ledger sequence number of the capture
-    captured: bool = False  # capture_end succeeded: reset() gives the references back
-    replays: int = 0
-    alive: bool = True
-    counted: bool = False  # its references are counted in its pool's entry
-    ref: Any = None  # weak reference to the graph, whose callback sees its destruction
+    captured: bool  # capture_end succeeded: reset() gives the references back
+    replays: int
+    alive: bool
+    counted: bool  # its references are counted in its pool's entry
+
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
+
+    def __repr__(self) -> str:
+        return (f"GraphEntry(gid={self.gid}, pool_id={self.pool_id}, device={self.device}, scope={self.scope!r}, "
+                f"captured={self.captured}, alive={self.alive})")
 
     @property
     def captured_at(self) -> Stack:
@@ -439,18 +451,17 @@ class Ledger:
         self.stale.append(attempt)
         return attempt
 
-    def new_graph(self, world: Any, device: int, pool: PoolId | None, frames: list) -> GraphEntry:
-        """The entry of a capture that started now (its engine scope, test and sequence number are now's);
-        :meth:`add_graph` counts it."""
-        self.seq = seq = next(self._seq)
-        return GraphEntry(next(self._gids), world, pool, device, frames, self.scope, self.test, self.generation, seq)
-
-    def capture_begun(self, world: Any, device: int, pool: PoolId | None, frames: list) -> GraphEntry:
-        """A capture started (the allocator took its references, even if the capture later fails)."""
-        with self.lock:
-            g = self.new_graph(world, device, pool, frames)
-            self.add_graph(g)
-            return g
+    def new_graph(self, graph: Any, gone: Callable[[GraphEntry], None], world: Any, device: int,
+                  pool: PoolId | None, frames: list) -> GraphEntry:
+        """The entry of ``graph``, whose capture started now (its engine scope, test and sequence number are
+        now's); ``gone(entry)`` is called when the graph is destroyed. :meth:`add_graph` counts it."""
+        g = GraphEntry(graph, gone)
+        g.gid, g.world, g.pool_id, g.device, g.frames = next(self._gids), world, pool, device, frames
+        g.scope, g.test, g.generation = self.scope, self.test, self.generation
+        self.seq = g.seq = next(self._seq)
+        g.captured = g.counted = False
+        g.alive, g.replays = True, 0
+        return g
 
     def add_graph(self, g: GraphEntry) -> None:
         """Count a started capture into its pool (the observation layer queues this for the next operation)."""

@@ -33,14 +33,12 @@ class Hooks:
         self.judges = judges
         self.worlds: set = set()
         self._entries: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graphs without a __dict__
-        self._refs: dict[int, GraphEntry] = {}  # id(weak reference) -> the entry of the graph it watches
-        self._gone = self._ref_gone  # one bound method for every weak reference (captures are timed)
+        self._gone = self._graph_gone  # one bound method for every entry (captures are timed)
 
-    def _ref_gone(self, ref: Any) -> None:
-        g = self._refs.pop(id(ref), None)
-        if g is not None:
-            key = None if g.pool_id is None else (g.world, g.device, g.pool_id)
-            self.ledger.later(key, self.ledger.graph_destroyed, g)
+    def _graph_gone(self, g: GraphEntry) -> None:
+        """An entry's graph was destroyed (the entry is the weak reference that saw it)."""
+        key = None if g.pool_id is None else (g.world, g.device, g.pool_id)
+        self.ledger.later(key, self.ledger.graph_destroyed, g)
 
     def saw(self, be: Backend) -> None:
         """A world seen for the first time: its pools die with it, so forget them then."""
@@ -97,17 +95,11 @@ class Hooks:
         return g if g is not None and g.generation == self.ledger.generation else None
 
     def tag(self, graph: Any, g: GraphEntry) -> None:
-        d = getattr(graph, "__dict__", None)
-        if d is not None:
-            old = d.get(TAG)
-            d[TAG] = g
-        else:
-            old = self._entries.get(graph)
-            self._entries[graph] = g
+        """Attach an entry to a graph without a ``__dict__`` (the capture path tags the others inline)."""
+        old = self._entries.get(graph)
+        self._entries[graph] = g
         if old is not None and old.generation == g.generation:
             self.ledger.replaced(old)
-        r = g.ref = weakref.ref(graph, self._gone)
-        self._refs[id(r)] = g
 
 
 def recorder(hooks: Hooks) -> Callable[..., GraphEntry]:
@@ -115,20 +107,19 @@ def recorder(hooks: Hooks) -> Callable[..., GraphEntry]:
     queue counting it into its pool. Shared by the capture wrapper and :class:`DirectCapture`."""
     led, worlds, new_graph, register = hooks.ledger, hooks.worlds, hooks.ledger.new_graph, hooks.register
     # the ledger's containers are cleared in place (fork, forgotten worlds): bound once, read per capture
-    pending, refs, gone = led.pending, hooks._refs, hooks._gone
+    pending, gone = led.pending, hooks._gone
 
     def record(graph: Any, be: Backend, device: int, pool: tuple | None, frames: list) -> GraphEntry:
         world = be.world
+        g = new_graph(graph, gone, world, device, pool, frames)
         d = getattr(graph, "__dict__", None)
         if d is None:
-            g = led.capture_begun(world, device, pool, frames)
             hooks.tag(graph, g)
+            with led.lock:
+                led.add_graph(g)
         else:
-            g = new_graph(world, device, pool, frames)
             pending.append((register, (g, d.get(TAG))))
             d[TAG] = g
-            r = g.ref = weakref.ref(graph, gone)
-            refs[id(r)] = g
             if len(pending) > 256:  # a process that only captures must not grow the queue for ever
                 with led.lock:
                     led.drain()
