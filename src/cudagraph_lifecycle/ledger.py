@@ -39,9 +39,9 @@ Key = tuple[Any, int, PoolId]  # (allocator world, device, pool id)
 
 STACK_DEPTH = 12  # frames kept per stack
 # frames kept per capture: each frame reached on a live stack is materialized as a Python object, which after a
-# model's warm-up costs ~1 us a frame on the H200's host (bench/bench_wrapper_cost.py); 8 reach the user's
-# line through the runner, torch.cuda.graph and make_graphed_callables
-CAPTURE_STACK_DEPTH = 8
+# model's warm-up costs ~0.7 us a frame on the H200's host (bench/bench_wrapper_cost.py); 6 reach the user's
+# line through torch.cuda.graph and make_graphed_callables, with two or more of its callers
+CAPTURE_STACK_DEPTH = 6
 SITES = 4  # capture stacks kept per pool (its first captures): where a finding says the pool came from
 _REMEMBERED = 4096  # erased pools and unused mints remembered, oldest forgotten first
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import operator
 import os
 import signal
 import threading
@@ -741,7 +742,7 @@ class SimBackend(Backend):
         return GraphAPI(
             kind="sim",
             graph_cls=SimGraph,
-            graph_backend=lambda g: g._backend,
+            graph_backend=operator.attrgetter("_backend"),  # no Python frame: captures are timed
             capture_device=lambda g: g._backend._current_stream.device,
             handles=((cls, "graph_pool_handle", lambda a, k, result: (mine(a), result)),),
             mempool_cls=SimMemPool,
