@@ -83,9 +83,10 @@ def main(folder: str) -> None:
                   f"({chk['step_us_checked']:.1f} vs {chk['step_us_default']:.1f} µs) | may cost more |")
             print(f"| checked mode: capture / default capture (4 graphs) | {chk['capture_ratio']:.2f} "
                   f"({chk['capture_ms_checked']:.1f} vs {chk['capture_ms_default']:.1f} ms) | may cost more |")
-            for name in ("capture", "padding", "outputs"):
+            for name in ("capture", "capture_largest", "padding", "outputs"):
                 if f"step_ratio_{name}" in chk:
-                    print(f"| check `{name}` alone: step; capture (/ default) | {chk[f'step_ratio_{name}']:.2f} "
+                    label = "`capture` alone, `watch=\"largest\"`" if name == "capture_largest" else f"`{name}` alone"
+                    print(f"| check {label}: step; capture (/ default) | {chk[f'step_ratio_{name}']:.2f} "
                           f"({chk[f'step_us_{name}']:.1f} µs); {chk[f'capture_ratio_{name}']:.2f} "
                           f"({chk[f'capture_ms_{name}']:.1f} ms) | |")
             if "check_addresses_us" in chk:

@@ -69,6 +69,8 @@ BUILD = [
     ("checked as a number", dict(checked=2), ConfigError, ["checked=2", "give True, False, None or a list"]),
     ("recheck every 0 replays", dict(recheck_every=0), ConfigError, ["recheck_every must be an int >= 1", "got 0"]),
     ("recheck every as a string", dict(recheck_every="16"), ConfigError, ["recheck_every", "got '16'"]),
+    ("unknown capture watch", dict(watch="smallest"), ConfigError,
+     ["watch must be 'each'", "or 'largest'", "got 'smallest'"]),
 ]
 
 

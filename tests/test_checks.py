@@ -116,6 +116,31 @@ def test_weights_moved_after_capture_are_named():
     r.release()
 
 
+def test_watch_largest_watches_the_largest_capture_of_each_key_only():
+    """watch="largest": the shared weights are still known (every batch reads them), a tensor only a smaller
+    batch's code path reads is not; watch="each" knows both."""
+    lin = torch.nn.Linear(8, 8)
+    names = {"weight": lin.weight, "small_bias": torch.ones(8)}
+
+    def fwd(x):
+        y = lin(x)
+        return y + names["small_bias"] if x.shape[0] == 2 else y  # only batch 2 reads it
+
+    moved = {}
+    for watch in ("each", "largest"):
+        names["small_bias"] = torch.ones(8)
+        r = runner(fwd, names=names, watch=watch)
+        with torch.no_grad():
+            r.run(torch.ones(1, 8))
+        assert r.check_addresses() == []
+        names["small_bias"] = torch.zeros(8)  # reloads into new memory: the graphs still read the old
+        old_weight, lin.weight.data = lin.weight.data, torch.randn(8, 8)
+        moved[watch] = sorted(p.split(":")[0] for p in r.check_addresses(raise_=False))
+        lin.weight.data = old_weight
+        r.release()
+    assert moved == {"each": ["small_bias", "weight"], "largest": ["weight"]}
+
+
 def test_a_strict_sanitizer_turns_the_checks_on():
     assert not enabled()
     with PoolSanitizer("sim", mode="strict"):

@@ -160,6 +160,12 @@ class CUDAGraphRunner:
         recheck_every: the ``padding`` check proves each (graph, real batch) pair at its first replay, then at
             every ``recheck_every``-th replay of that pair (each proof costs a second replay and a host sync);
             1 checks every replay.
+        watch: which captures the ``capture`` check watches op by op: ``"each"``, or ``"largest"``, the largest
+            batch of each extra key (the op watch costs about as much as capturing each op: watching one graph
+            of a key's set costs a fraction of that). With ``"largest"``, :meth:`check_addresses` knows what the
+            largest graphs read (the weights and static buffers every batch size shares, but not a tensor only
+            a smaller batch's code path reads), and a failed smaller capture names where its error surfaced
+            rather than the op that broke it.
 
     Capture runs under ``torch.no_grad()``: autograd history on a captured output would keep the capture's
     saved activations, and with them the pool, alive after release (docs/ARCHITECTURE.md, measured facts).
@@ -184,6 +190,7 @@ class CUDAGraphRunner:
         checked: bool | Iterable[str] | None = None,
         names: Any = None,
         recheck_every: int = 16,
+        watch: str = "each",
     ):
         if not callable(forward):
             raise ConfigError(f"forward must be callable, got {type(forward).__name__}")
@@ -199,6 +206,9 @@ class CUDAGraphRunner:
             raise ConfigError(f"warmup must be an int >= 0, got {warmup!r}")
         if isinstance(recheck_every, bool) or not isinstance(recheck_every, int) or recheck_every < 1:
             raise ConfigError(f"recheck_every must be an int >= 1 (1 checks every replay), got {recheck_every!r}")
+        if watch not in ("each", "largest"):
+            raise ConfigError(f"watch must be 'each' (every capture watched op by op) or 'largest' (the largest batch "
+                              f"of each extra key), got {watch!r}")
         if not isinstance(dtype, torch.dtype):
             raise ConfigError(f"dtype must be a torch.dtype, got {dtype!r}")
         extra = [{}] if extra_keys is None else [dict(e) for e in extra_keys]
@@ -234,6 +244,7 @@ class CUDAGraphRunner:
         self._guard = checks.OutputGuard() if "outputs" in self.checks else None
         self._poison = "padding" in self.checks
         self.recheck_every = recheck_every
+        self.watch = watch
         self._replays_of: Counter[tuple] = Counter()  # (graph key, real batch) -> replays, for recheck_every
         self._addresses = checks.AddressBook()
 
@@ -321,7 +332,8 @@ class CUDAGraphRunner:
                 err = e
             eager_failed = err is not None
             if err is None:
-                watch = checks.CaptureWatch(be.capture_invalidated) if "capture" in self.checks else None
+                watched = "capture" in self.checks and (self.watch == "each" or bs == self.batch_sizes[-1])
+                watch = checks.CaptureWatch(be.capture_invalidated) if watched else None
                 reserved = be.memory_reserved(self.device)
                 t0 = time.perf_counter()
                 direct = observe.direct_capture(type(graph))
