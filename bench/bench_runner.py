@@ -343,9 +343,11 @@ def bench_sanitizer(be, rounds=200, step_rounds=10):
 
 def bench_flush_path(be, rounds=60, pinned=8, graphs=8):
     """Captures through ``torch.cuda.graph`` (``backend.graph``), which flushes the cache at each one, while
-    ``pinned`` pools released by earlier engines are pinned by outputs kept alive: at every flush the
-    sanitizer must ask which of them the flush erased (a read of the allocator's books). Plain vs
-    sanitized, paired ABBA; the median of the per-round ratios."""
+    ``pinned`` pools released by earlier engines are pinned by outputs kept alive: dead pools the sanitizer
+    judges every capture against, and whose erasure by a flush it must be able to tell. Plain vs
+    sanitized, paired (each side first in turn); the median of the per-round ratios. A third side wraps the same
+    four calls (both flushes, capture_begin, capture_end) in functions that only call through: what any Python
+    observer of them costs in this flow."""
     import gc
 
     from cudagraph_lifecycle import PoolSanitizer
@@ -381,17 +383,34 @@ def bench_flush_path(be, rounds=60, pinned=8, graphs=8):
         with PoolSanitizer(be):
             return capture_ms()
 
-    capture_ms(), sanitized()
-    plain, watched = [], []
-    for i in range(rounds):
-        for side in ((capture_ms, sanitized) if i % 2 == 0 else (sanitized, capture_ms)):
-            (plain if side is capture_ms else watched).append(side())
+    from bench import bench_wrapper_cost as wrapper_cost
+
+    tgts = wrapper_cost.targets(be.name)
+
+    def bare():  # the floor: the same four calls wrapped by functions that only call through
+        saved = wrapper_cost.patch_bare(tgts)
+        try:
+            return capture_ms()
+        finally:
+            wrapper_cost.unpatch(saved)
+
+    capture_ms(), sanitized(), bare()
+    sides = (capture_ms, sanitized, bare)
+    times: dict = {side: [] for side in sides}
+    for i in range(rounds):  # each side first, second and third in turn
+        for side in sides[i % 3:] + sides[:i % 3]:
+            times[side].append(side())
+    plain, watched, floor = times[capture_ms], times[sanitized], times[bare]
     ratios = sorted(b / a for a, b in zip(plain, watched))
+    floor_ratios = sorted(b / a for a, b in zip(plain, floor))
     del kept
     return {"pinned_pools": pinned, "graphs": graphs, "rounds": rounds,
             "capture_ms": statistics.median(plain), "capture_ms_sanitized": statistics.median(watched),
             "overhead": statistics.median(ratios) - 1, "target_overhead": 0.05,
-            "overhead_iqr": [ratios[len(ratios) // 4] - 1, ratios[-len(ratios) // 4 - 1] - 1]}
+            "overhead_iqr": [ratios[len(ratios) // 4] - 1, ratios[-len(ratios) // 4 - 1] - 1],
+            "overhead_of_bare_wrappers": statistics.median(floor_ratios) - 1,
+            "overhead_of_bare_wrappers_iqr": [floor_ratios[len(floor_ratios) // 4] - 1,
+                                              floor_ratios[-len(floor_ratios) // 4 - 1] - 1]}
 
 
 def sanitized_profile(be, capture, top=15):

@@ -77,6 +77,10 @@ def main(folder: str) -> None:
                   f"pools pinned | {fl['overhead'] * 100:+.1f}% ({fl['capture_ms_sanitized']:.2f} vs "
                   f"{fl['capture_ms']:.2f} ms for {fl['graphs']} graphs; IQR {fl['overhead_iqr'][0] * 100:+.1f} … "
                   f"{fl['overhead_iqr'][1] * 100:+.1f}%) | ≤ 5% |")
+            if "overhead_of_bare_wrappers" in fl:
+                lo, hi = fl["overhead_of_bare_wrappers_iqr"]
+                print(f"| the same, {fl['pinned_pools']} pinned, with the four calls only wrapped by functions that call "
+                      f"through | {fl['overhead_of_bare_wrappers'] * 100:+.1f}% (IQR {lo * 100:+.1f} … {hi * 100:+.1f}%) | |")
         chk = br.get("checks")
         if chk:
             print(f"| checked mode: step / default step (batch 3 on the batch-4 graph) | {chk['step_ratio']:.2f} "
