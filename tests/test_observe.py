@@ -235,3 +235,16 @@ def test_the_runners_direct_path_judges_a_dead_pool():
         with pytest.raises(StalePoolError):
             r.capture()
         assert be.poisoned is None
+
+
+def test_a_graph_entry_is_a_weak_reference_compared_by_identity():
+    """Two entries of one graph (it was captured twice) are two records, not equal because their graph is."""
+    from cudagraph_lifecycle.ledger import GraphEntry
+
+    be = SimBackend()
+    g = be.new_graph()
+    seen = []
+    a, b = GraphEntry(g, seen.append), GraphEntry(g)
+    assert a() is g and a != b and not a == b and a == a and len({a, b}) == 2
+    del g
+    assert seen == [a] and a() is None  # the callback gets the entry itself

@@ -165,8 +165,7 @@ class GraphEntry(weakref.ref):
     alive: bool
     counted: bool  # its references are counted in its pool's entry
 
-    __eq__ = object.__eq__
-    __hash__ = object.__hash__
+    __eq__, __ne__, __hash__ = object.__eq__, object.__ne__, object.__hash__  # not the referent's
 
     def __repr__(self) -> str:
         return (f"GraphEntry(gid={self.gid}, pool_id={self.pool_id}, device={self.device}, scope={self.scope!r}, "
