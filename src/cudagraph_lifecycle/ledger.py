@@ -295,7 +295,7 @@ class Ledger:
         # while one exists does a device flush need counting (the flush wrapper's cheap way out otherwise)
         self.unflushed: dict[Any, set[Key]] = {}
         self.generation = 0
-        self.pending: deque = deque()  # (callable, args): captures started, weak-reference callbacks
+        self.pending: deque = deque()  # captures started (an entry, or (callable, args)), weak-reference callbacks
         # the pools those events touch (None: an event of no known pool): a capture drains only for its own
         self.pending_keys: set[Key | None] = set()
         self._seq = itertools.count(1)
@@ -430,8 +430,12 @@ class Ledger:
         pending = self.pending
         self.pending_keys.clear()
         while pending:
-            fn, args = pending.popleft()
-            fn(*args)
+            item = pending.popleft()
+            if type(item) is GraphEntry:  # a capture the capture path queued
+                self.add_graph(item)
+            else:
+                fn, args = item
+                fn(*args)
 
     # events (the observation layer calls these) -----------------------------------------------------
     def note_minted(self, world: Any, pool_id: PoolId, where: Stack) -> None:

@@ -333,7 +333,7 @@ class CUDAGraphRunner:
             eager_failed = err is not None
             if err is None:
                 watched = "capture" in self.checks and (self.watch == "each" or bs == self.batch_sizes[-1])
-                watch = checks.CaptureWatch(be.capture_invalidated) if watched else None
+                watch = checks.CaptureWatch(be.invalidation_probe()) if watched else None
                 reserved = be.memory_reserved(self.device)
                 t0 = time.perf_counter()
                 direct = observe.direct_capture(type(graph))

@@ -70,7 +70,8 @@ class GraphAPI:
 
     * ``graph_cls``: the class whose ``capture_begin``, ``capture_end`` and ``reset`` are wrapped;
       ``graph_backend(graph)`` and ``capture_device(graph)`` read a graph's world and the device it captures on
-      (``current_device()``, where given, reads the latter without a Python call: captures are timed).
+      (``current_device()``, where given, reads the latter without a Python call, and ``process_cls._process``,
+      where given and set, the former: captures are timed).
     * ``handles``: functions returning a new pool id; ``parse(args, kwargs, result) -> (backend, pool_id)``.
     * ``mempool_cls`` and ``mempool_parse(mp) -> (backend, device, pool_id)``: pool objects that hold a device
       reference of their own while alive.
@@ -85,6 +86,7 @@ class GraphAPI:
     graph_backend: Callable[[Any], Backend | None]
     capture_device: Callable[[Any], int]
     current_device: Callable[[], int] | None = None
+    process_cls: type | None = None  # one world per process: every graph's backend is this class's ``_process``
     handles: tuple[Hook, ...] = ()
     mempool_cls: type | None = None
     mempool_parse: Callable[[Any], tuple] | None = None
@@ -208,9 +210,11 @@ class Backend(ABC):
         are alive crashes the process once they are freed)."""
         return False
 
-    def capture_invalidated(self) -> bool:
-        """True while a capture is underway on the current stream but no longer valid (an op broke it)."""
-        return False
+    def invalidation_probe(self) -> Callable[[], bool] | None:
+        """A function saying whether the capture underway on the current stream is no longer valid (an op
+        broke it without raising), for the op watch to ask after each op; None where the backend cannot
+        tell (the watch then names the op that raised)."""
+        return None
 
     def end_capture_routing(self, pool_id: PoolId, device: int = 0) -> bool:
         """After a capture that failed at ``capture_end``: close the allocator's record of the capture if it

@@ -136,9 +136,10 @@ class CudaBackend(Backend):
             on = self._expandable = expandable_from_env()
         return on
 
-    def capture_invalidated(self) -> bool:
-        # an invalidated capture no longer reads as active on its stream
-        return not torch.cuda.is_current_stream_capturing()
+    def invalidation_probe(self) -> None:
+        # torch reads an invalidated capture as still capturing (is_current_stream_capturing() is True for
+        # cudaStreamCaptureStatusInvalidated: measured on the H200) and exposes no other status
+        return None
 
     def end_capture_routing(self, pool_id: PoolId, device: int = 0) -> bool:
         fn = _private("_cuda_endAllocateToPool")
@@ -298,6 +299,7 @@ class CudaBackend(Backend):
             graph_backend=backend,
             capture_device=capture_device,
             current_device=reader,
+            process_cls=cls,
             handles=tuple(owners),
             mempool_cls=getattr(torch.cuda, "MemPool", None),
             mempool_parse=mempool,

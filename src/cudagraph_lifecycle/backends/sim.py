@@ -44,6 +44,7 @@ import signal
 import threading
 import traceback
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -568,6 +569,9 @@ class SimBackend(Backend):
 
     def capture_invalidated(self) -> bool:
         return self._capturing is not None and self._capturing._invalidated
+
+    def invalidation_probe(self) -> Callable[[], bool]:
+        return self.capture_invalidated
 
     def would_assert(self, pool_id: PoolId, device: int = 0) -> bool:
         """The allocator's own verdict on a capture into ``pool_id`` now: True if it would assert

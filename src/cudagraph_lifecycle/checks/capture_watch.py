@@ -2,8 +2,8 @@
 (weights, static inputs, caches: their storages and addresses), and the first op that broke it.
 
 A capture fails either at the op that broke it (a host sync raises there) or later, at ``capture_end``, when
-an op silently invalidated it (CUDA reports a previous error during capture). The watch records the op that
-raised, or the first op after which the backend says the capture is no longer valid, with its Python frame.
+an op silently invalidated it. The watch records the op that raised, or the first op after which the backend
+says the capture is no longer valid (where it can tell: torch gives no way to on CUDA), with its frame.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import sys
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,9 +79,9 @@ class CaptureWatch(TorchDispatchMode):
         # (eager, aot_eager, inductor, a graph break) watched the same with and without it: the watch opts out.
         return False
 
-    def __init__(self, invalidated) -> None:
+    def __init__(self, invalidated: Callable[[], bool] | None) -> None:
         super().__init__()
-        self._invalidated = invalidated  # () -> bool: has the backend's capture been invalidated?
+        self._invalidated = invalidated  # () -> bool: has the backend's capture been invalidated? (None: unknown)
         self.born: set[int] = set()
         self.reads: dict[int, ReadStorage] = {}
         self.offender: str | None = None
@@ -141,6 +142,6 @@ class CaptureWatch(TorchDispatchMode):
             born.add(out.untyped_storage()._cdata)
         else:
             self._born(out)
-        if self.offender is None and self._invalidated():
+        if self.offender is None and self._invalidated is not None and self._invalidated():
             self.offender = f"{name} at {user_frame()} (the capture was invalid after it)"
         return out

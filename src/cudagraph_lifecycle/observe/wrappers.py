@@ -118,7 +118,8 @@ def recorder(hooks: Hooks) -> Callable[..., GraphEntry]:
             with led.lock:
                 led.add_graph(g)
         else:
-            pending.append((register, (g, d.get(TAG))))
+            old = d.get(TAG)
+            pending.append(g if old is None else (register, (g, old)))  # an entry alone: counted at the drain
             d[TAG] = g
             if len(pending) > 256:  # a process that only captures must not grow the queue for ever
                 with led.lock:
@@ -131,7 +132,8 @@ def recorder(hooks: Hooks) -> Callable[..., GraphEntry]:
 
 
 def capture_begin(api: GraphAPI, hooks: Hooks, original, record: Callable[..., GraphEntry]):
-    backend_of, device_of, current_device = api.graph_backend, api.capture_device, api.current_device
+    backend_of, device_of, current_device, proc = api.graph_backend, api.capture_device, api.current_device, \
+        api.process_cls
     led = hooks.ledger
     pending_keys, dead = led.pending_keys, led.dead
     getframe, more = sys._getframe, range(_DEPTH - 1)
@@ -143,7 +145,7 @@ def capture_begin(api: GraphAPI, hooks: Hooks, original, record: Callable[..., G
     # are counted together, warm. A destruction before then is queued behind it by the weak reference.
     @functools.wraps(original)
     def wrapper(graph, pool=None, *args, **kwargs):  # no **kwargs dict built for the common call
-        be = backend_of(graph)
+        be = (proc._process if proc is not None else None) or backend_of(graph)
         if be is None:
             return original(graph, pool, *args, **kwargs)
         given = pool  # the original gets the caller's object untouched
