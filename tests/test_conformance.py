@@ -31,3 +31,16 @@ def test_conformance(scenario):
 def test_isolated_run_matches_in_process_on_sim():
     name = "stale_handle_output_alive"
     assert run_isolated(name, "sim") == run_scenario(name, "sim") == "assert"
+
+
+def test_the_conformance_command_without_a_gpu_says_so_in_one_line(capsys):
+    import torch
+
+    from cudagraph_lifecycle.conformance import main
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: --backend cuda is available here")
+    assert main(["--backend", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("conformance: --backend cuda: ") and "choose backend 'sim'" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1

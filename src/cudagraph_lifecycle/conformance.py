@@ -24,6 +24,7 @@ import torch
 
 from .backends import Backend, get_backend, isolated_backend
 from .backends.base import MiB
+from .errors import BackendUnavailableError
 
 N = 64 * 64  # a 16 KiB float32 tensor: one small block
 
@@ -837,7 +838,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="write the table here")
     ap.add_argument("--jobs", type=int, default=4)
     a = ap.parse_args(argv)
-    backend = get_backend(a.backend).name
+    try:
+        backend = get_backend(a.backend).name
+    except BackendUnavailableError as e:
+        print(f"conformance: --backend {a.backend}: {e}", file=sys.stderr)
+        return 2
     t0 = time.time()
     rows = run_table(backend, jobs=a.jobs)
     width = max(len(r["scenario"]) for r in rows)
