@@ -319,7 +319,8 @@ def bench_sanitizer(be, rounds=200, step_rounds=10):
     capture_ms(), step_us(), sanitized(capture_ms)  # warm: lazy init and kernel selection out of the numbers
     plain, watched = paired(capture_ms, rounds)
     # the sanitizer's own time per graph on the runner's path, timed from outside (bench_wrapper_cost)
-    cost = wrapper_cost.measure_direct(be, capture_only, 20 if be.name == "cuda" else 5, wrapper_cost.targets(be.name))
+    cost = wrapper_cost.measure(be, capture_only, 20 if be.name == "cuda" else 5, wrapper_cost.targets(be.name),
+                                direct=True)
     wrapper_us = cost.pop("wrapper_us_per_capture")
     plain_step, watched_step = paired(step_us, step_rounds)
     p, w = statistics.median(plain), statistics.median(watched)

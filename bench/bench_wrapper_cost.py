@@ -111,50 +111,27 @@ def graph_flow(be, stream, x):
         g.reset()
 
 
-def measure(be, flow, rounds, tgts):
-    inner.clear()
-    outer.clear()
-    saved_in = patch(tgts, inner)
-    try:
-        with PoolSanitizer(be):
-            saved_out = patch(tgts, outer)
-            try:
-                flow()  # warm
-                inner.clear()
-                outer.clear()
-                for _ in range(rounds):
-                    flow()
-            finally:
-                unpatch(saved_out)
-    finally:
-        unpatch(saved_in)
-    res = {}
-    for name in outer:
-        o, i = outer[name], inner[name]
-        diff = [a - b for a, b in zip(o, i)]
-        res[name] = {"calls": len(o), "wrapper_us_median": statistics.median(diff) / 1e3,
-                     "wrapper_us_mean": statistics.fmean(diff) / 1e3, "original_us_median": statistics.median(i) / 1e3}
-    res["wrapper_us_per_capture"] = sum(v["wrapper_us_mean"] * v["calls"] for v in res.values()) / (8 * rounds)
-    return res
-
-
-def measure_direct(be, flow, rounds, tgts):
-    """The runner's own path (observe.DirectCapture): its capture_begin and capture_end are the originals, so
-    what the sanitizer adds per graph is the record call (timed from outside) and the flushes' wrappers."""
+def measure(be, flow, rounds, tgts, direct=False):
+    """Each observed call's wrapper cost in ``flow``, sanitized: outer minus inner time per call. With
+    ``direct``, the runner's own path (observe.DirectCapture): its capture_begin and capture_end are the
+    originals, so what the sanitizer adds per graph is the record call (timed from outside, nothing inside) and
+    the flushes' wrappers; the capture methods are left unshimmed, or the runner would leave that path."""
     from cudagraph_lifecycle import observe
 
     inner.clear()
     outer.clear()
-    flushes = [t for t in tgts if t[1] not in ("capture_begin", "capture_end")]
-    saved_in = patch(flushes, inner)
+    if direct:
+        tgts = [t for t in tgts if t[1] not in ("capture_begin", "capture_end")]
     cls = next(a for a in graph_apis() if a.kind == be.name).graph_cls
+    saved_in = patch(tgts, inner)
     try:
         with PoolSanitizer(be):
-            saved_out = patch(flushes, outer)
-            direct = observe.direct_capture(cls)
-            assert direct is not None, "the runner's direct path is not in place"
-            record = direct.record
-            direct.record = shim(record, "record", outer)
+            saved_out = patch(tgts, outer)
+            path = observe.direct_capture(cls) if direct else None
+            if direct:
+                assert path is not None, "the runner's direct path is not in place"
+                record = path.record
+                path.record = shim(record, "record", outer)
             try:
                 flow()  # warm
                 inner.clear()
@@ -162,7 +139,8 @@ def measure_direct(be, flow, rounds, tgts):
                 for _ in range(rounds):
                     flow()
             finally:
-                direct.record = record
+                if path is not None:
+                    path.record = record
                 unpatch(saved_out)
     finally:
         unpatch(saved_in)
@@ -171,7 +149,7 @@ def measure_direct(be, flow, rounds, tgts):
         o, i = outer[name], inner.get(name) or [0] * len(outer[name])
         diff = [a - b for a, b in zip(o, i)]
         res[name] = {"calls": len(o), "wrapper_us_median": statistics.median(diff) / 1e3,
-                     "wrapper_us_mean": statistics.fmean(diff) / 1e3}
+                     "wrapper_us_mean": statistics.fmean(diff) / 1e3, "original_us_median": statistics.median(i) / 1e3}
     res["wrapper_us_per_capture"] = sum(v["wrapper_us_mean"] * v["calls"] for v in res.values()) / (8 * rounds)
     return res
 
@@ -245,7 +223,7 @@ def main():
     tgts = targets(be.name)
     fwd, dtype = model(be)
     out = {"backend": be.name, "torch": torch.__version__}
-    out["runner"] = measure_direct(be, lambda: runner_flow(be, fwd, dtype), a.rounds, tgts)
+    out["runner"] = measure(be, lambda: runner_flow(be, fwd, dtype), a.rounds, tgts, direct=True)
     # the same flow with a shim in front of the capture wrappers, which turns the runner's direct path off:
     # what a caller of raw capture_begin/capture_end pays in it
     out["runner_through_wrappers"] = measure(be, lambda: runner_flow(be, fwd, dtype), a.rounds, tgts)

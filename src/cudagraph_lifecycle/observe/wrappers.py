@@ -197,9 +197,7 @@ class DirectCapture:
     def judge(self, be: Backend, device: int, pool: tuple) -> None:
         """What the capture wrapper does before the original: apply queued events about the pool, judge it."""
         led, key = self.hooks.ledger, (be.world, device, tuple(pool))
-        if key in led.pending_keys:
-            with led.lock:
-                led.drain()
+        led.drain_before_capture(key)
         if key in led.dead:
             self.hooks.judge(*key)
 
