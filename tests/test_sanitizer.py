@@ -1,5 +1,7 @@
 """The pool sanitizer's ledger, driven through the simulated allocator."""
 
+import collections
+
 import pytest
 import torch
 
@@ -64,6 +66,73 @@ def test_sanitizer_allows_legal_reuse_after_both_caches(sim):
     be.host_empty_cache()
     c.step(be.new_graph(), h)  # legal: the pool is created afresh under the same id
     assert san.stale_caught == 0
+
+
+def _quiet_flushes(be):
+    for _ in range(2):  # nothing waits for a flush: from the first call on, both wrappers pass straight through
+        be.empty_cache()
+        be.host_empty_cache()
+
+
+def test_a_host_flush_after_quiet_flushes_still_erases_a_released_pool(sim):
+    """Flush wrappers pass straight through while nothing waits for a flush, until the ledger arms them again.
+    A MemPool keeps its pool on the device, so releasing the graph leaves only the host allocator holding it
+    dead: that alone must arm the host flush, or the flush that erases it goes unseen and the legal capture
+    below is refused as stale."""
+    be, san, c = sim
+    mp = be.mempool()
+    g = be.new_graph()
+    c.step(g, mp.id)
+    _quiet_flushes(be)
+    g.reset()
+    be.host_empty_cache()
+    c.step(be.new_graph(), mp.id)
+    assert san.stale_caught == 0 and be.poisoned is None
+
+
+def test_a_device_flush_after_quiet_flushes_still_erases_a_pool_read_as_pinned(sim):
+    """The device side alone: a released pool still pinned when the ledger read the books waits for the next
+    device flush again (the host allocator erased it already), and that must arm the device flush."""
+    be, san, c = sim
+    h = be.graph_pool_handle()
+    g = be.new_graph()
+    y = c.step(g, h)
+    g.reset()
+    be.empty_cache()  # y pins the pool: not erased
+    be.host_empty_cache()
+    _quiet_flushes(be)
+    san.findings()  # a query reads the books: still there, so it waits for the next device flush
+    del y
+    be.empty_cache()
+    c.step(be.new_graph(), h)  # legal: the pool is created afresh under the same id
+    assert san.stale_caught == 0 and be.poisoned is None
+
+
+def test_a_destroyed_graph_is_applied_at_once_outside_a_ledger_operation(sim):
+    be, san, c = sim
+    h = be.graph_pool_handle()
+    g1, g2 = be.new_graph(), be.new_graph()
+    c.step(g1, h)
+    c.step(g2, h)
+    with ledger.lock:
+        ledger.drain()
+    del g1
+    assert not ledger.pending and not ledger.pending_keys  # nothing left for the next capture's flushes
+    assert san.use_count(h) == 1
+
+
+def test_an_event_queued_inside_a_ledger_operation_arms_the_flushes(sim):
+    """Inside an operation (a garbage collection while a query walks the books) a weak reference's event is
+    queued: flushes that passed straight through must apply it before they count, or a release would land
+    after the flush that erased its pool."""
+    be, san, c = sim
+    _quiet_flushes(be)
+    seen = []
+    with ledger.lock:
+        ledger.later(None, seen.append, "applied")
+    assert seen == []
+    be.empty_cache()
+    assert seen == ["applied"]
 
 
 def test_sanitizer_allows_torch_graph_context_reuse(sim):
@@ -222,7 +291,7 @@ def test_sanitizer_follows_the_runner_giving_back_a_failed_capture_reference(sim
     assert san.use_count(pid) == 0 and san.findings() == []
 
 
-@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("seed", range(40))
 def test_sanitizer_verdict_equals_the_allocator_on_random_lifecycles(seed):
     """Random mints, captures, resets, drops, cache flushes and MemPools: the sanitizer raises exactly when the
     allocator would assert, the process is never poisoned, and its dead-pool index (which the capture path
@@ -276,6 +345,7 @@ def test_sanitizer_verdict_equals_the_allocator_on_random_lifecycles(seed):
             with ledger.lock:
                 ledger.drain()
                 assert set(ledger.dead) == {k for k, e in ledger.pools.items() if e.dead}, op
+                assert ledger.dead.ids == collections.Counter(k[2] for k in ledger.dead), op
     assert legal > 0
 
 

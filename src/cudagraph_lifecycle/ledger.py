@@ -12,9 +12,9 @@ the ledger sees the same events the allocator does (capture, reset, destruction,
 flushes), so it can say a pool is *dead* -- all its graphs released while an allocator still holds it --
 before a capture into it trips ``use_count > 0 INTERNAL ASSERT FAILED``.
 
-Weak-reference callbacks (a graph or MemPool destroyed) only queue an event; the queue is applied under the
-lock at the next ledger operation, so a garbage collection that runs while a query walks the books cannot
-change them underneath it.
+Weak-reference callbacks (a graph or MemPool destroyed) apply their event at once where no ledger operation
+is under way; inside one (a garbage collection while a query walks the books) they queue it, and the queue is
+applied under the lock at the next operation, so the books never change underneath a reader.
 """
 
 from __future__ import annotations
@@ -147,11 +147,12 @@ def sites_of(stacks: list[list]) -> list[str]:
 class GraphEntry(weakref.ref):
     """One captured graph, as the ledger keeps it. It is itself a weak reference to the graph, whose callback
     sees the graph's destruction: one object per capture, built without a Python ``__init__`` (captures are
-    timed; :meth:`Ledger.new_graph` sets the fields). Compared and hashed by identity."""
+    timed: the observation layer's recorder sets the fields, and queues :meth:`Ledger.add_graph`). Compared
+    and hashed by identity."""
 
     __slots__ = ("gid", "world", "pool_id", "device", "frames", "scope", "test", "generation", "seq", "captured",
                  "replays", "alive", "counted")
-    gid: int
+    gid: int  # its key in the books: the capture's sequence number
     world: Any
     pool_id: PoolId | None  # None until capture_end for a capture without a pool argument
     device: int
@@ -178,6 +179,42 @@ class GraphEntry(weakref.ref):
     @property
     def site(self) -> str:
         return self.captured_at.site()
+
+
+class DeadPools(dict):
+    """The dead pools, ``{key: entry}``, and ``ids``: how many of them carry each pool id. A capture asks
+    ``ids`` first, which needs neither its device nor a key built (captures are timed). Changed only through
+    ``[]=``, ``del``, ``pop`` and ``clear``."""
+
+    __slots__ = ("ids",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ids: dict[PoolId, int] = {}
+
+    def __setitem__(self, key: Key, e: PoolEntry) -> None:
+        if key not in self:
+            self.ids[key[2]] = self.ids.get(key[2], 0) + 1
+        super().__setitem__(key, e)
+
+    def __delitem__(self, key: Key) -> None:
+        super().__delitem__(key)
+        left = self.ids[key[2]] - 1
+        if left:
+            self.ids[key[2]] = left
+        else:
+            del self.ids[key[2]]
+
+    def pop(self, key: Key, *default: Any) -> Any:
+        if key in self:
+            e = self[key]
+            del self[key]
+            return e
+        return super().pop(key, *default)
+
+    def clear(self) -> None:
+        super().clear()
+        self.ids.clear()
 
 
 @dataclass(slots=True, eq=False)
@@ -267,7 +304,7 @@ class Ledger:
     def __init__(self) -> None:
         self.lock = threading.RLock()
         self.pools: dict[Key, PoolEntry] = {}
-        self.dead: dict[Key, PoolEntry] = {}  # kept equal to {k: e for e in pools if e.dead} at every change
+        self.dead = DeadPools()  # kept equal to {k: e for e in pools if e.dead} at every change
         # the dead pools the host allocator still holds (what its next flush erases): torch.cuda.graph flushes
         # at every capture, so the flush must not walk every dead pool
         self.host_dead: dict[Key, PoolEntry] = {}
@@ -298,8 +335,10 @@ class Ledger:
         self.pending: deque = deque()  # captures started (an entry, or (callable, args)), weak-reference callbacks
         # the pools those events touch (None: an event of no known pool): a capture drains only for its own
         self.pending_keys: set[Key | None] = set()
-        self._seq = itertools.count(1)
-        self._gids = itertools.count(1)
+        # called whenever a flush may have something to record (an event queued, a released pool waiting for a
+        # flush, a budget watched): the flush wrappers that passed straight through read the books again
+        self.flush_watchers: list[Callable[[], None]] = []
+        self.seq_counter = itertools.count(1)  # sequence numbers of events; a capture's is its graph's id too
         self.seq = 0
 
     # process lifetime --------------------------------------------------------------------------------
@@ -317,7 +356,7 @@ class Ledger:
         self.generation += 1
 
     def next_seq(self) -> int:
-        self.seq = next(self._seq)
+        self.seq = next(self.seq_counter)
         return self.seq
 
     @contextlib.contextmanager
@@ -363,7 +402,9 @@ class Ledger:
         """Keep ``dead`` current, and move an entry neither allocator holds any more to ``erased``."""
         key = e.key
         if e.held <= 0 and e.host_alive:
-            self.host_dead[key] = e
+            if self.host_dead.get(key) is not e:
+                self.host_dead[key] = e
+                self._arm_flushes()
         else:
             self.host_dead.pop(key, None)
         if e.dead:
@@ -381,6 +422,7 @@ class Ledger:
         e.checked = self.flushes.get(e.world, 0)
         if e.device_alive and e.device_count <= 0:
             self.unflushed.setdefault(e.world, set()).add(e.key)
+            self._arm_flushes()
 
     def _flushed(self, e: PoolEntry) -> None:
         keys = self.unflushed.get(e.world)
@@ -408,10 +450,27 @@ class Ledger:
                 return
 
     def later(self, key: Key | None, fn: Callable[..., None], *args: Any) -> None:
-        """Queue ``fn(*args)``, an event about pool ``key``, for the next ledger operation (for weak-reference
-        callbacks); dropped if the process forked in between (the event was the parent's)."""
+        """``fn(*args)``, an event about pool ``key`` from a weak-reference callback (a graph or MemPool
+        destroyed): applied now, after the captures queued before it, where no ledger operation is under way;
+        else queued for the next one (a garbage collection inside an operation, on this thread or another,
+        must not change the books underneath it), and dropped if the process forked in between. Applied now,
+        the next capture's cache flushes find nothing to drain."""
+        lock = self.lock
+        if not lock._is_owned() and lock.acquire(blocking=False):
+            try:
+                if self.pending:
+                    self.drain()
+                fn(*args)
+            finally:
+                lock.release()
+            return
         self.pending.append((self._in_generation, (self.generation, fn, args)))
         self.pending_keys.add(key)  # None too: an event other than a queued capture is waiting
+        self._arm_flushes()
+
+    def _arm_flushes(self) -> None:
+        for arm in self.flush_watchers:
+            arm()
 
     def drain_before_capture(self, key: Key) -> None:
         """A capture into ``key`` is about to be judged: apply what concerns it (and everything, once the
@@ -453,18 +512,6 @@ class Ledger:
             e.device_count <= 0 and e.device_alive, e.host_count <= 0 and e.host_alive)
         self.stale.append(attempt)
         return attempt
-
-    def new_graph(self, graph: Any, gone: Callable[[GraphEntry], None], world: Any, device: int,
-                  pool: PoolId | None, frames: list) -> GraphEntry:
-        """The entry of ``graph``, whose capture started now (its engine scope, test and sequence number are
-        now's); ``gone(entry)`` is called when the graph is destroyed. :meth:`add_graph` counts it."""
-        g = GraphEntry(graph, gone)
-        g.gid, g.world, g.pool_id, g.device, g.frames = next(self._gids), world, pool, device, frames
-        g.scope, g.test, g.generation = self.scope, self.test, self.generation
-        self.seq = g.seq = next(self._seq)
-        g.captured = g.counted = False
-        g.alive, g.replays = True, 0
-        return g
 
     def add_graph(self, g: GraphEntry) -> None:
         """Count a started capture into its pool (the observation layer queues this for the next operation)."""
@@ -640,6 +687,7 @@ class Ledger:
         """Keep the peak bytes of the pools ``scope`` captures into (a budget's test): see :meth:`before_flush`."""
         with self.lock:
             self.peak_bytes[scope] = 0
+            self._arm_flushes()
 
     def unwatch_pool_bytes(self, scope: str) -> None:
         with self.lock:

@@ -62,6 +62,7 @@ def _install() -> None:
 
 def _uninstall() -> None:
     _direct.clear()
+    ledger.flush_watchers.clear()  # the flush wrappers' (no one else registers)
     while _saved:
         owner, name, original, _ = _saved.pop()
         if original is None:

@@ -32,7 +32,7 @@ class Hooks:
         self.ledger = ledger
         self.judges = judges
         self.worlds: set = set()
-        self._entries: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graphs without a __dict__
+        self._entries: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graphs that take no attribute
         self._gone = self._graph_gone  # one bound method for every entry (captures are timed)
 
     def _graph_gone(self, g: GraphEntry) -> None:
@@ -84,18 +84,19 @@ class Hooks:
 
     def register(self, g: GraphEntry, old: GraphEntry | None) -> None:
         """Count a capture the capture path only queued (applied at the ledger's next operation, under its lock,
-        before the graph's destruction if that came later: the weak reference's event queues behind it)."""
+        before the graph's destruction if that came later: the weak reference's event drains the queue first)."""
         if old is not None and old.generation == g.generation:
             self.ledger.replaced(old)
         self.ledger.add_graph(g)
 
     def entry_of(self, graph: Any) -> GraphEntry | None:
-        d = getattr(graph, "__dict__", None)
-        g = d.get(TAG) if d is not None else self._entries.get(graph)
+        g = getattr(graph, TAG, None)
+        if type(g) is not GraphEntry:  # (a class's __getattr__ may answer anything)
+            g = self._entries.get(graph) if self._entries else None
         return g if g is not None and g.generation == self.ledger.generation else None
 
     def tag(self, graph: Any, g: GraphEntry) -> None:
-        """Attach an entry to a graph without a ``__dict__`` (the capture path tags the others inline)."""
+        """Attach an entry to a graph that takes no attribute (the capture path tags the others inline)."""
         old = self._entries.get(graph)
         self._entries[graph] = g
         if old is not None and old.generation == g.generation:
@@ -103,29 +104,40 @@ class Hooks:
 
 
 def recorder(hooks: Hooks) -> Callable[..., GraphEntry]:
-    """``record(graph, be, device, pool, frames)``: tag a graph whose capture began with its ledger entry and
-    queue counting it into its pool. Shared by the capture wrapper and :class:`DirectCapture`."""
-    led, worlds, new_graph, register = hooks.ledger, hooks.worlds, hooks.ledger.new_graph, hooks.register
+    """``record(graph, be, device, pool, frames)``: the ledger entry of a graph whose capture began now (its
+    engine scope, test and sequence number are now's), tagged on the graph; counting it into its pool is
+    queued. Shared by the capture wrapper and :class:`DirectCapture`; the only place entries are made."""
+    led, worlds, register = hooks.ledger, hooks.worlds, hooks.register
     # the ledger's containers are cleared in place (fork, forgotten worlds): bound once, read per capture
-    pending, gone = led.pending, hooks._gone
+    pending, gone, seq = led.pending, hooks._gone, led.seq_counter
+    last_world = None  # the world of the previous capture: the set of worlds seen is read only on a change
 
     def record(graph: Any, be: Backend, device: int, pool: tuple | None, frames: list) -> GraphEntry:
+        nonlocal last_world
         world = be.world
-        g = new_graph(graph, gone, world, device, pool, frames)
-        d = getattr(graph, "__dict__", None)
-        if d is None:
+        g = GraphEntry(graph, gone)  # fields set here, not in an __init__: one call less per capture
+        led.seq = g.seq = g.gid = next(seq)
+        g.world, g.pool_id, g.device, g.frames = world, pool, device, frames
+        g.scope, g.test, g.generation = led.scope, led.test, led.generation
+        g.captured = g.counted = False
+        g.alive, g.replays = True, 0
+        old = getattr(graph, TAG, None)
+        try:
+            setattr(graph, TAG, g)  # an attribute, not the graph's __dict__: no dict is made for it
+        except (AttributeError, TypeError):
             hooks.tag(graph, g)
             with led.lock:
                 led.add_graph(g)
         else:
-            old = d.get(TAG)
-            pending.append(g if old is None else (register, (g, old)))  # an entry alone: counted at the drain
-            d[TAG] = g
+            # an entry alone: counted at the drain
+            pending.append(g if type(old) is not GraphEntry else (register, (g, old)))
             if len(pending) > 256:  # a process that only captures must not grow the queue for ever
                 with led.lock:
                     led.drain()
-        if world not in worlds:
-            hooks.saw(be)
+        if world is not last_world:
+            if world not in worlds:
+                hooks.saw(be)
+            last_world = world
         return g
 
     return record
@@ -135,42 +147,49 @@ def capture_begin(api: GraphAPI, hooks: Hooks, original, record: Callable[..., G
     backend_of, device_of, current_device, proc = api.graph_backend, api.capture_device, api.current_device, \
         api.process_cls
     led = hooks.ledger
-    pending_keys, dead = led.pending_keys, led.dead
-    getframe, more = sys._getframe, range(_DEPTH - 1)
+    pending_keys, dead, dead_ids = led.pending_keys, led.dead, led.dead.ids
+    getframe, more, depth = sys._getframe, range(_DEPTH - 1), _DEPTH
 
     # Everything here runs right after the model's warm-up has evicted the host's caches: on the H200 each
     # object touched costs microseconds (measured: bench/bench_wrapper_cost.py). So the capture path judges
-    # (only where a pool is dead or an event is queued), takes the stack and tags the graph; counting it into
-    # its pool is queued for the ledger's next operation (a reset, a flush, a query), where a runner's graphs
-    # are counted together, warm. A destruction before then is queued behind it by the weak reference.
+    # (only where a dead pool has this id or an event is queued), takes the stack and tags the graph; counting
+    # it into its pool is queued for the ledger's next operation (a reset, a flush, a query), where a runner's
+    # graphs are counted together, warm. A destruction before then drains the queue before it applies.
     @functools.wraps(original)
     def wrapper(graph, pool=None, *args, **kwargs):  # no **kwargs dict built for the common call
         be = (proc._process if proc is not None else None) or backend_of(graph)
         if be is None:
             return original(graph, pool, *args, **kwargs)
         given = pool  # the original gets the caller's object untouched
-        device = current_device() if current_device is not None else device_of(graph)
+        device = None
         if pool is not None:
             if type(pool) is not tuple:
                 pool = tuple(pool)
             if pool == (0, 0):
                 pool = None
-            elif dead or pending_keys:
+            elif (dead_ids and pool in dead_ids) or pending_keys:  # a dead pool has this id (some device or world)
+                device = current_device() if current_device is not None else device_of(graph)
                 key = (be.world, device, pool)
-                # a graph destroyed since the last call may have made the pool dead: apply what concerns it
-                if key in pending_keys:
+                # a graph destroyed during a ledger operation may have made the pool dead: apply what concerns it
+                if pending_keys and key in pending_keys:
                     with led.lock:
                         led.drain()
                 if key in dead:
                     hooks.judge(*key)
         original(graph, given, *args, **kwargs)
-        f = getframe(1)  # the stack as Stack keeps it, built inline: one list, no call
-        frames = [f.f_code, f.f_lasti]
+        if device is None:  # read after the original, which leaves what it reads warm
+            device = current_device() if current_device is not None else device_of(graph)
+        f = getframe(1)  # the stack as Stack keeps it, built inline into one list of its final size
+        frames = [f.f_code, f.f_lasti] * depth
+        i = 2
         for _ in more:
             f = f.f_back
             if f is None:
+                del frames[i:]
                 break
-            frames += (f.f_code, f.f_lasti)
+            frames[i] = f.f_code
+            frames[i + 1] = f.f_lasti
+            i += 2
         record(graph, be, device, pool, frames)
 
     return wrapper
@@ -208,8 +227,9 @@ def capture_end(api: GraphAPI, hooks: Hooks, original):
     @functools.wraps(original)
     def wrapper(graph, *args, **kwargs):
         original(graph, *args, **kwargs)  # on failure the graph keeps its references through reset
-        d = getattr(graph, "__dict__", None)
-        g = d.get(TAG) if d is not None else hooks.entry_of(graph)
+        g = getattr(graph, TAG, None)
+        if type(g) is not GraphEntry:
+            g = hooks.entry_of(graph)
         if g is not None and g.generation == led.generation:
             if g.pool_id is None:
                 led.capture_bound(g, tuple(graph.pool()))
@@ -238,13 +258,12 @@ def reset(api: GraphAPI, hooks: Hooks, original):
 
 
 def replay(api: GraphAPI, hooks: Hooks, original):
-    """Counts replays (a graph never replayed means its engine silently ran eagerly): one dict lookup."""
-    empty: dict = {}
+    """Counts replays (a graph never replayed means its engine silently ran eagerly): one attribute lookup."""
 
     @functools.wraps(original)
     def wrapper(graph, *args, **kwargs):
-        g = getattr(graph, "__dict__", empty).get(TAG)
-        if g is not None:
+        g = getattr(graph, TAG, None)
+        if type(g) is GraphEntry:
             g.replays += 1
         return original(graph, *args, **kwargs)
 
@@ -288,13 +307,27 @@ def flush(parse, hooks: Hooks, original, host: bool):
     led = hooks.ledger
     readers: dict = {}  # world -> how to read its books later: one per world, not one per flush
     # torch.cuda.graph flushes both caches before every capture: most flushes find nothing to record (no
-    # released pool waits for one, no event is queued), and pass straight through
+    # released pool waits for one, no event is queued) and pass straight through, reading one closure cell:
+    # the ledger's books are not touched (after a capture each object touched costs the H200's host ~1 us)
     unflushed, host_dead, pending_keys, peak = led.unflushed, led.host_dead, led.pending_keys, led.peak_bytes
+    armed = True  # something may be waiting for a flush; the ledger arms it again when something is
+
+    def arm() -> None:
+        nonlocal armed
+        armed = True
+
+    led.flush_watchers.append(arm)
 
     @functools.wraps(original)
     def wrapper(*args, **kwargs):
-        if not (pending_keys or (host_dead if host else unflushed or peak)):
+        nonlocal armed
+        if not armed:
             return original(*args, **kwargs)
+        if not (pending_keys or (host_dead if host else unflushed or peak)):
+            armed = False  # then read again: what arms it may have come in between
+            if not (pending_keys or (host_dead if host else unflushed or peak)):
+                return original(*args, **kwargs)
+            armed = True
         be = parse(args, kwargs)
         if be is not None and not host and led.peak_bytes:  # a budget's test: read its pools before they go
             led.before_flush(be.world, be.pool_bytes_reader())
