@@ -157,11 +157,13 @@ def measure(be, flow, rounds, tgts, direct=False):
 def layers(be, flow, rounds):
     """The floor under our capture_begin wrapper, layer by layer, in the same cold flow and without the
     sanitizer: a bare Python pass-through, + the stack our wrapper takes (CAPTURE_STACK_DEPTH frames), + the
-    ledger's entry (a weak reference to the graph) stored on the graph. What ours costs above the last is the
-    judging and queueing; what the first costs no Python observer can avoid."""
+    ledger's entry (a weak reference to the graph) made, tagged on the graph and queued, as the wrapper does
+    it (into a ledger of its own). What ours costs above the last is the judging; what the first costs no
+    Python observer can avoid."""
     from cudagraph_lifecycle.ledger import CAPTURE_STACK_DEPTH, Ledger
+    from cudagraph_lifecycle.observe import wrappers
 
-    new_graph = Ledger().new_graph  # a ledger of its own: these entries are never counted anywhere
+    record = wrappers.recorder(wrappers.Hooks(Ledger(), {}))  # a ledger of its own: counted nowhere else
 
     owner = next(a for a in graph_apis() if a.kind == be.name).graph_cls
     getframe, more = sys._getframe, range(CAPTURE_STACK_DEPTH - 1)
@@ -170,9 +172,6 @@ def layers(be, flow, rounds):
         def w(graph, pool=None, *a, **k):
             return orig(graph, pool, *a, **k)
         return w
-
-    def gone(_entry):
-        pass
 
     def layer(orig, entry):  # the stack walk as the wrapper inlines it; then, with entry, the tag
         def w(graph, pool=None, *a, **k):
@@ -185,7 +184,7 @@ def layers(be, flow, rounds):
                     break
                 frames += (f.f_code, f.f_lasti)
             if entry:
-                graph.__dict__["_bench_entry"] = new_graph(graph, gone, be.world, 0, pool, frames)
+                record(graph, be, 0, pool, frames)
         return w
 
     res = {}
@@ -213,10 +212,102 @@ def layers(be, flow, rounds):
     return res
 
 
+def segments(be, stream, x, rounds, graphs=8):
+    """The ``torch.cuda.graph`` flow timed in three segments per capture, with no timer inside any wrapper:
+    entering the context (the two flushes and ``capture_begin``), the captured op (torch's own work only),
+    leaving it (``capture_end``). Sides, in the same rounds, each first in turn: plain; the four calls wrapped
+    by functions that only call through; the sanitizer; and the sanitizer with one part taken out (its stack
+    cut to one frame; its flush wrappers, or its ``capture_begin`` wrapper, replaced by call-throughs). What the
+    sanitizer adds to the op segment, where none of its code runs, is what its work costs torch's code after
+    it (the host's caches it evicted); what a side without one part saves is that part's cost. (Without its
+    ``capture_begin`` wrapper the sanitizer records no graph, so that side also skips the flushes' and
+    ``capture_end``'s work on recorded graphs.)"""
+    from cudagraph_lifecycle.observe import wrappers
+
+    tgts = targets(be.name)
+    flushes = [t for t in tgts if t[1] not in ("capture_begin", "capture_end")]
+
+    def one_round():
+        gc.collect()
+        pool, gs, seg = be.graph_pool_handle(), [], []
+        for _ in range(graphs):
+            g = be.new_graph()
+            t0 = clock()
+            with be.graph(g, pool=pool, stream=stream):
+                t1 = clock()
+                (x + 1).relu_()
+                t2 = clock()
+            t3 = clock()
+            gs.append(g)
+            seg.append((t1 - t0, t2 - t1, t3 - t2))
+        for g in gs:
+            g.reset()
+        return seg
+
+    def bare():
+        saved = patch_bare(tgts)
+        try:
+            return one_round()
+        finally:
+            unpatch(saved)
+
+    def sanitized(without=()):
+        with PoolSanitizer(be):
+            saved = [(owner, name, getattr(owner, name)) for owner, name in without]
+            for owner, name, ours in saved:  # our wrappers keep what they wrap (functools.wraps)
+                def through(*a, _fn=ours.__wrapped__, **k):
+                    return _fn(*a, **k)
+                setattr(owner, name, through)
+            try:
+                return one_round()
+            finally:
+                for owner, name, ours in saved:
+                    setattr(owner, name, ours)
+
+    def one_frame():
+        depth = wrappers._DEPTH  # read when the wrappers are made, at the sanitizer's start
+        wrappers._DEPTH = 1
+        try:
+            return sanitized()
+        finally:
+            wrappers._DEPTH = depth
+
+    sides = {"plain": one_round, "bare_wrappers": bare, "sanitizer": sanitized, "sanitizer_one_frame": one_frame,
+             "sanitizer_flushes_call_through": lambda: sanitized(flushes),
+             "sanitizer_capture_begin_call_through": lambda: sanitized(tgts[:1])}
+    seen: dict = {name: [] for name in sides}
+    order = list(sides)
+    for name in order:  # warm
+        sides[name]()
+    for i in range(rounds):
+        k = i % len(order)
+        for name in order[k:] + order[:k]:
+            seen[name].append(sides[name]())
+    res: dict = {"graphs": graphs, "rounds": rounds}
+    totals = {name: [sum(sum(s) for s in r) for r in rounds_] for name, rounds_ in seen.items()}
+    base = seen["plain"]
+    for name, rounds_ in seen.items():
+        row = {part: statistics.median(s[k] for r in rounds_ for s in r) / 1e3
+               for k, part in enumerate(("enter_us", "op_us", "exit_us"))}
+        row["round_us"] = statistics.median(totals[name]) / 1e3
+        if name != "plain":
+            ratios = sorted(b / a for a, b in zip(totals["plain"], totals[name]))
+            row["overhead"] = statistics.median(ratios) - 1
+            row["overhead_iqr"] = [ratios[len(ratios) // 4] - 1, ratios[-len(ratios) // 4 - 1] - 1]
+            # per capture, against plain in the same round: the median over rounds of the mean difference
+            for k, part in enumerate(("enter", "op", "exit")):
+                diffs = [statistics.fmean(s[k] for s in r) - statistics.fmean(s[k] for s in p)
+                         for r, p in zip(rounds_, base)]
+                row[f"extra_{part}_us"] = statistics.median(diffs) / 1e3
+        res[name] = row
+    return res
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--rounds", type=int, default=40)
+    ap.add_argument("--segment-rounds", type=int, help="rounds of the segment profile (default 120 on cuda)")
     ap.add_argument("--json")
     a = ap.parse_args()
     be = get_backend(a.backend)
@@ -243,6 +334,7 @@ def main():
             del g, y
     out["graph_8_pinned"] = measure(be, lambda: graph_flow(be, stream, x), a.rounds, tgts)
     del kept
+    out["graph_segments"] = segments(be, stream, x, a.segment_rounds or (120 if be.name == "cuda" else 10))
     emit(out, a.json)
 
 

@@ -105,6 +105,15 @@ def main(folder: str) -> None:
                   f"{wc[flow]['wrapper_us_per_capture']:.1f}; "
                   + ", ".join(f"{k} {v['wrapper_us_median']:.1f} ({v['calls']} calls)" for k, v in calls.items())
                   + " | |")
+        seg = wc.get("graph_segments")
+        if seg:
+            for side, row in seg.items():
+                if not isinstance(row, dict) or "overhead" not in row:
+                    continue
+                print(f"| `torch.cuda.graph` flow, {side.replace('_', ' ')} ({seg['rounds']} rounds): overhead; µs a "
+                      f"capture added entering / in the op / leaving | {row['overhead'] * 100:+.1f}% (IQR "
+                      f"{row['overhead_iqr'][0] * 100:+.1f} … {row['overhead_iqr'][1] * 100:+.1f}%); "
+                      f"{row['extra_enter_us']:+.1f} / {row['extra_op_us']:+.1f} / {row['extra_exit_us']:+.1f} | |")
         lay = wc.get("runner_capture_begin_layers")
         if lay:
             print("| the floor under `capture_begin` in the runner's flow, median µs: "
