@@ -19,6 +19,7 @@ import os
 import statistics
 import sys
 import time
+import weakref
 from collections import defaultdict
 
 import torch
@@ -216,7 +217,8 @@ def segments(be, stream, x, rounds, graphs=8):
     """The ``torch.cuda.graph`` flow timed in three segments per capture, with no timer inside any wrapper:
     entering the context (the two flushes and ``capture_begin``), the captured op (torch's own work only),
     leaving it (``capture_end``). Sides, in the same rounds, each first in turn: plain; the four calls wrapped
-    by functions that only call through; the sanitizer; and the sanitizer with one part taken out (its stack
+    by functions that only call through; the least an observer of each graph's destruction does (a weak
+    reference set on the graph); the sanitizer; and the sanitizer with one part taken out (its stack
     cut to one frame; its flush wrappers, or its ``capture_begin`` wrapper, replaced by call-throughs). What the
     sanitizer adds to the op segment, where none of its code runs, is what its work costs torch's code after
     it (the host's caches it evicted); what a side without one part saves is that part's cost. (Without its
@@ -264,6 +266,27 @@ def segments(be, stream, x, rounds, graphs=8):
                 for owner, name, ours in saved:
                     setattr(owner, name, ours)
 
+    def weak_reference_alone():
+        """The least a Python observer that sees each graph's destruction does: capture_begin wrapped by a
+        function that calls through and sets a weak reference with a callback on the graph; the flushes and
+        capture_end are left alone. What the sanitizer costs above it is its own bookkeeping."""
+        owner, name = tgts[0]
+        original = getattr(owner, name)
+        saved = [(owner, name, original, name in vars(owner))]
+
+        def gone(_ref):
+            pass
+
+        def observed(graph, *a, **k):
+            original(graph, *a, **k)
+            graph._bench_observed = weakref.ref(graph, gone)
+
+        setattr(owner, name, observed)
+        try:
+            return one_round()
+        finally:
+            unpatch(saved)
+
     def one_frame():
         depth = wrappers._DEPTH  # read when the wrappers are made, at the sanitizer's start
         wrappers._DEPTH = 1
@@ -272,7 +295,8 @@ def segments(be, stream, x, rounds, graphs=8):
         finally:
             wrappers._DEPTH = depth
 
-    sides = {"plain": one_round, "bare_wrappers": bare, "sanitizer": sanitized, "sanitizer_one_frame": one_frame,
+    sides = {"plain": one_round, "bare_wrappers": bare, "weak_reference_alone": weak_reference_alone,
+             "sanitizer": sanitized, "sanitizer_one_frame": one_frame,
              "sanitizer_flushes_call_through": lambda: sanitized(flushes),
              "sanitizer_capture_begin_call_through": lambda: sanitized(tgts[:1])}
     seen: dict = {name: [] for name in sides}
