@@ -342,19 +342,29 @@ def bench_sanitizer(be, rounds=200, step_rounds=10):
             "capture_spread_ms": [min(plain), max(plain)], "capture_spread_sanitized_ms": [min(watched), max(watched)]}
 
 
-def bench_flush_path(be, rounds=60, pinned=8, graphs=8):
+def bench_flush_path(be, rounds=60, pinned=8, graphs=8, body="one op"):
     """Captures through ``torch.cuda.graph`` (``backend.graph``), which flushes the cache at each one, while
     ``pinned`` pools released by earlier engines are pinned by outputs kept alive: dead pools the sanitizer
     judges every capture against, and whose erasure by a flush it must be able to tell. Plain vs
     sanitized, paired (each side first in turn); the median of the per-round ratios. A third side wraps the same
     four calls (both flushes, capture_begin, capture_end) in functions that only call through: what any Python
-    observer of them costs in this flow."""
+    observer of them costs in this flow. ``body``: what each graph captures, one op (the target's small graph) or
+    the runner bench's 16 layers (a decode step's size: the same fixed cost a capture against more work)."""
     import gc
 
     from cudagraph_lifecycle import PoolSanitizer
 
     dev = be.torch_device(0)
     x = torch.ones(64, 256, device=dev)
+    if body == "one op":
+        def captured():
+            (x + 1).relu_()
+    else:
+        fwd = launch_bound_model(dev, torch.float16 if be.name == "cuda" else torch.float32)
+        xm = torch.ones(8, 256, device=dev, dtype=torch.float16 if be.name == "cuda" else torch.float32)
+
+        def captured():
+            fwd(xm)
     stream = be.new_stream()
     kept = []
     with PoolSanitizer(be):  # the ledger knows these pools: each is released, and pinned by its output
@@ -373,7 +383,7 @@ def bench_flush_path(be, rounds=60, pinned=8, graphs=8):
         for _ in range(graphs):
             g = be.new_graph()
             with be.graph(g, pool=pool, stream=stream):
-                (x + 1).relu_()
+                captured()
             gs.append(g)
         dt = (time.perf_counter() - t0) * 1e3
         for g in gs:
@@ -405,7 +415,7 @@ def bench_flush_path(be, rounds=60, pinned=8, graphs=8):
     ratios = sorted(b / a for a, b in zip(plain, watched))
     floor_ratios = sorted(b / a for a, b in zip(plain, floor))
     del kept
-    return {"pinned_pools": pinned, "graphs": graphs, "rounds": rounds,
+    return {"pinned_pools": pinned, "graphs": graphs, "rounds": rounds, "body": body,
             "capture_ms": statistics.median(plain), "capture_ms_sanitized": statistics.median(watched),
             "overhead": statistics.median(ratios) - 1, "target_overhead": 0.05,
             "overhead_iqr": [ratios[len(ratios) // 4] - 1, ratios[-len(ratios) // 4 - 1] - 1],
@@ -451,8 +461,9 @@ def main():
         "release": lambda: bench_release(be),
         "checks": lambda: bench_checks(be, iters // 4),
         "sanitizer": lambda: bench_sanitizer(be) if be.name == "cuda" else bench_sanitizer(be, 20, step_rounds=2),
-        "flush": lambda: [bench_flush_path(be, pinned=n) if be.name == "cuda" else bench_flush_path(be, 6, pinned=n)
-                          for n in (0, 8)],
+        "flush": lambda: [bench_flush_path(be, pinned=n, body=body) if be.name == "cuda"
+                          else bench_flush_path(be, 6, pinned=n, body=body)
+                          for n, body in ((0, "one op"), (8, "one op"), (0, "16 layers"))],
     }
     out = {"meta": be.describe() | {"date": time.strftime("%Y-%m-%d %H:%M:%S")}}
     for part in a.only or parts:
