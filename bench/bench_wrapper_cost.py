@@ -218,16 +218,13 @@ def segments(be, stream, x, rounds, graphs=8):
     entering the context (the two flushes and ``capture_begin``), the captured op (torch's own work only),
     leaving it (``capture_end``). Sides, in the same rounds, each first in turn: plain; the four calls wrapped
     by functions that only call through; the least an observer of each graph's destruction does (a weak
-    reference set on the graph); the sanitizer; and the sanitizer with one part taken out (its stack
-    cut to one frame; its flush wrappers, or its ``capture_begin`` wrapper, replaced by call-throughs). What the
-    sanitizer adds to the op segment, where none of its code runs, is what its work costs torch's code after
-    it (the host's caches it evicted); what a side without one part saves is that part's cost. (Without its
-    ``capture_begin`` wrapper the sanitizer records no graph, so that side also skips the flushes' and
-    ``capture_end``'s work on recorded graphs.)"""
-    from cudagraph_lifecycle.observe import wrappers
-
+    reference set on the graph); the sanitizer; and the sanitizer with its ``capture_begin`` wrapper replaced by
+    a call-through. What the sanitizer adds to the op segment, where none of its code runs, is what its work
+    costs torch's code after it (the host's caches it evicted); what the last side saves is the
+    ``capture_begin`` wrapper's cost (without it the sanitizer records no graph, so that side also skips the
+    flushes' and ``capture_end``'s work on recorded graphs). The parts inside that wrapper are measured by
+    scripts/probe_capture_path.py."""
     tgts = targets(be.name)
-    flushes = [t for t in tgts if t[1] not in ("capture_begin", "capture_end")]
 
     def one_round():
         gc.collect()
@@ -287,18 +284,8 @@ def segments(be, stream, x, rounds, graphs=8):
         finally:
             unpatch(saved)
 
-    def one_frame():
-        depth = wrappers._DEPTH  # read when the wrappers are made, at the sanitizer's start
-        wrappers._DEPTH = 1
-        try:
-            return sanitized()
-        finally:
-            wrappers._DEPTH = depth
-
     sides = {"plain": one_round, "bare_wrappers": bare, "weak_reference_alone": weak_reference_alone,
-             "sanitizer": sanitized, "sanitizer_one_frame": one_frame,
-             "sanitizer_flushes_call_through": lambda: sanitized(flushes),
-             "sanitizer_capture_begin_call_through": lambda: sanitized(tgts[:1])}
+             "sanitizer": sanitized, "sanitizer_capture_begin_call_through": lambda: sanitized(tgts[:1])}
     seen: dict = {name: [] for name in sides}
     order = list(sides)
     for name in order:  # warm
@@ -331,7 +318,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--rounds", type=int, default=40)
-    ap.add_argument("--segment-rounds", type=int, help="rounds of the segment profile (default 120 on cuda)")
+    ap.add_argument("--segment-rounds", type=int, help="rounds of the segment profile (default 100 on cuda)")
     ap.add_argument("--json")
     a = ap.parse_args()
     be = get_backend(a.backend)
@@ -358,7 +345,7 @@ def main():
             del g, y
     out["graph_8_pinned"] = measure(be, lambda: graph_flow(be, stream, x), a.rounds, tgts)
     del kept
-    out["graph_segments"] = segments(be, stream, x, a.segment_rounds or (120 if be.name == "cuda" else 10))
+    out["graph_segments"] = segments(be, stream, x, a.segment_rounds or (100 if be.name == "cuda" else 10))
     emit(out, a.json)
 
 
