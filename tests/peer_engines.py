@@ -2,21 +2,23 @@
 
 Every engine runs the same small MLP (3 x Linear(256) + ReLU) through CUDA graphs captured for batch sizes
 1, 2, 4 and 8, largest first, and differs only in where its pool handle lives and what ``release()`` does
-with it. Styles (a)-(h) use only the ``Backend`` API, so they run on ``sim`` and on ``cuda``; (i) and (j)
-use ``torch.cuda`` / ``torch.compile`` directly and run on ``cuda`` only.
+with it. Styles (a)-(h), (k) and (l) use only the ``Backend`` API, so they run on ``sim`` and on ``cuda``;
+(i) and (j) use ``torch.cuda`` / ``torch.compile`` directly and run on ``cuda`` only.
 
 The protocol a harness calls: ``capture()``, ``run(x)`` (a view of the static output, sliced to the batch),
 ``eager(x)``, ``example_input()`` and ``release()``. No engine exposes its pools, except (b), which offers
 ``pool_ids()`` so that a cross-check against the engine's own account can be tested.
 
-Module-level state (the class handle of (a), ``_GLOBAL_POOL``, ``_HANDLES``, ``_PROFILE_RESULTS``) lives
-as long as the process, as it does in the engines these mimic: call ``reset_module_state()`` between
-independent runs in one process (a pool id means nothing in another allocator world).
+Module-level state (the class handle of (a), ``_GLOBAL_POOL``, ``_HANDLES``, ``_PROFILE_RESULTS``,
+``_SHARED_GRAPH_POOL``, ``_LOADER``) lives as long as the process, as it does in the engines these mimic:
+call ``reset_module_state()`` between independent runs in one process (a pool id means nothing in another
+allocator world).
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any
 
 import torch
@@ -32,12 +34,25 @@ MODEL_NAME = "mlp"
 _GLOBAL_POOL: PoolId | None = None  # (d) and (f): one handle for every engine of the process
 _HANDLES: dict[str, PoolId] = {}  # (h): one handle per model name, kept across reloads
 _PROFILE_RESULTS: list[Any] = []  # (d) keeps profiling outputs here; (e) keeps plain numbers
+_SHARED_GRAPH_POOL: PoolId | None = None  # (k): the pool the first graph of the process minted
+
+
+class _Loader:
+    """(l) A model server's loader: its pool handle outlives every engine it loads."""
+
+    def __init__(self) -> None:
+        self.pool: PoolId | None = None
+
+
+_LOADER = _Loader()
 
 
 def reset_module_state() -> None:
     """Forget every process-wide handle and profiling result (between independent runs in one process)."""
-    global _GLOBAL_POOL
+    global _GLOBAL_POOL, _SHARED_GRAPH_POOL
     _GLOBAL_POOL = None
+    _SHARED_GRAPH_POOL = None
+    _LOADER.pool = None
     _HANDLES.clear()
     _PROFILE_RESULTS.clear()
     ClassHandleEngine._pool = None
@@ -399,6 +414,56 @@ class CompiledEngine(_MLP):
         torch._dynamo.reset()
 
 
+class SharedGraphPoolEngine(_GraphEngine):
+    """(k) SGLang's pattern: the first graph of the process is captured through torch.cuda.graph with no
+    pool, so it mints a private pool of its own; the module global then takes ``graph.pool()`` and every
+    later capture (this engine's smaller sizes, every later engine) passes it. Release resets the graphs;
+    the module keeps the pool id, as SGLang's global does."""
+
+    def capture(self) -> None:
+        global _SHARED_GRAPH_POOL
+        with torch.no_grad():
+            for bs in sorted(BATCH_SIZES, reverse=True):
+                g, out = capture_one(self.backend, self.forward, self.static_in[:bs], self.stream,
+                                     _SHARED_GRAPH_POOL, via_context=True)
+                self.graphs[bs] = (g, out)
+                _SHARED_GRAPH_POOL = g.pool()  # as SGLang does after every capture: the same id from here on
+
+    def release(self) -> None:
+        self._reset_graphs()
+
+
+class LoaderThreadEngine(_GraphEngine):
+    """(l) Captures run on a model server's loader thread, on a stream made in that thread, with raw
+    capture_begin/capture_end into the loader's one pool handle (minted once, kept across engines); the
+    caller joins the thread and re-raises what it raised. Release resets the graphs in the caller's thread
+    and leaves the loader its handle."""
+
+    def _capture_stream(self) -> Any:
+        return None  # made by the loader thread: a stream is current per thread on CUDA
+
+    def capture(self) -> None:
+        errors: list[BaseException] = []
+
+        def load() -> None:
+            try:
+                if _LOADER.pool is None:
+                    _LOADER.pool = self.backend.graph_pool_handle()
+                self.stream = self.backend.new_stream(0)
+                self._capture_all(_LOADER.pool, via_context=False)  # grad mode is per thread: set in there
+            except BaseException as exc:  # a thread's exception dies with it unless handed back
+                errors.append(exc)
+
+        loader = threading.Thread(target=load, name="model-loader")
+        loader.start()
+        loader.join()
+        if errors:
+            raise errors[0]
+
+    def release(self) -> None:
+        self._reset_graphs()
+
+
 def make_a(backend: Backend) -> ClassHandleEngine:
     return ClassHandleEngine(backend)
 
@@ -441,6 +506,15 @@ def make_j(backend: Backend) -> CompiledEngine:
     return CompiledEngine(backend)
 
 
+def make_k(backend: Backend) -> SharedGraphPoolEngine:
+    return SharedGraphPoolEngine(backend)
+
+
+def make_l(backend: Backend) -> LoaderThreadEngine:
+    return LoaderThreadEngine(backend)
+
+
 STYLES = {"a": make_a, "b": make_b, "c": make_c, "d": make_d, "e": make_e,
-          "f": make_f, "g": make_g, "h": make_h, "i": make_i, "j": make_j}
-SIM_STYLES = "abcdefgh"
+          "f": make_f, "g": make_g, "h": make_h, "i": make_i, "j": make_j,
+          "k": make_k, "l": make_l}
+SIM_STYLES = "abcdefghkl"

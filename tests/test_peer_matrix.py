@@ -1,11 +1,12 @@
-"""The peer-style engine matrix: ten engines written the way public engines hold their graph pools
+"""The peer-style engine matrix: twelve engines written the way public engines hold their graph pools
 (``peer_engines.py``), three of each in one reused worker, the caller holding (``hold``) or copying out
 (``drop``) the last output, with the sanitizer on and off.
 
 Two columns per cell: what plain PyTorch does with these engines (``peer_truth.py``, nothing of ours
 watching: where the allocator asserts), and the plugin's verdicts, which must name the same engine
 (``stale`` where the allocator asserts, before it does when the sanitizer is on) and judge the rest from
-what the process observed. Styles (a)-(h) run on ``sim`` in CI; all ten run on ``cuda`` in the GPU check.
+what the process observed. Styles (a)-(h), (k) and (l) run on ``sim`` in CI; all twelve run on ``cuda`` in
+the GPU check.
 """
 
 import peer_engines
@@ -28,6 +29,11 @@ EXPECTED = {
     # cudagraph trees hand out outputs whose storage the trees' pool owns, not the output: a held output pins
     # nothing, so once torch._dynamo.reset() frees the trees the pool is gone (and the held output dangles)
     ("j", "hold"): ["fresh"] * 3, ("j", "drop"): ["fresh"] * 3,
+    # the pool engine 0's first capture minted (pool=None) stays in the module global: as (f), a held output
+    # pins it and engine 1 asserts; dropped, later engines reuse the id unharmed
+    ("k", "hold"): ["held", "stale"], ("k", "drop"): ["fresh", "reused", "reused"],
+    # as (a), from a loader thread: the kept handle asserts in that thread, re-raised in the caller after join
+    ("l", "hold"): ["held", "stale"], ("l", "drop"): ["fresh", "reused", "reused"],
 }
 CELLS = sorted(EXPECTED)
 
