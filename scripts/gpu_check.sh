@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole GPU check in one call (device tool): conformance on cuda, GPU tests, the peer-style engine
 # matrix, the soak, the examples' lifecycle suite on both worker paths (fork and spawn), with -n 2 and on MPI
-# ranks, and the benchmarks (runner, worker, MPI, plugin import).
+# ranks, and the benchmarks (runner, wrapper cost, sanitizer memory, worker, plugin import, MPI).
 #   run: bash scripts/gpu_check.sh      (writes to $OUT, or ./gpu-out when OUT is unset)
 # Every step runs under one deadline (GPU_CHECK_SECONDS, default 560) so the results archive is always
 # written inside the device tool's 10-minute limit; a step that no time is left for is listed as skipped.
@@ -69,18 +69,18 @@ step "soak: 200 engines in one reused worker" python3 bench/bench_soak.py --back
 step "examples, fork path (pytest process without CUDA)" $PT examples/ --cudagraph-report="$R/examples-fork.json"
 step "bench runner" python3 bench/bench_runner.py --backend cuda --json "$R/bench-runner.json"
 step "bench wrapper cost (each observed call, timed from outside)" python3 bench/bench_wrapper_cost.py --backend cuda \
-  --json "$R/bench-wrapper-cost.json"
+  --rounds 25 --segment-rounds 60 --json "$R/bench-wrapper-cost.json"
 step "bench sanitizer memory (10,000 captures a round)" python3 bench/bench_sanitizer_memory.py --backend cuda \
   --json "$R/bench-sanitizer-memory.json"
 step "examples, spawn path (pytest process initialized CUDA)" env CUDAGRAPH_EXAMPLES_INIT_CUDA=1 \
   $PT examples/ --cudagraph-report="$R/examples-spawn.json"
 step "examples, -n 2 on one GPU" $PT examples/ -n 2 -q
 step "bench worker" python3 bench/bench_worker.py --backend cuda --engines 3 --json "$R/bench-worker.json"
+step "bench plugin import (CUDA build of torch)" python3 bench/bench_plugin_import.py --rounds 6 \
+  --json "$R/bench-plugin-import.json"
 step "examples on 2 MPI ranks sharing the GPU" $PT examples/test_mpi_lifecycle.py --cudagraph-require-mpi \
   --cudagraph-report="$R/examples-mpi.json"
 step "bench mpi" python3 bench/bench_mpi.py --backend cuda --ranks 2 --engines 3 --json "$R/bench-mpi.json"
-step "bench plugin import (CUDA build of torch)" python3 bench/bench_plugin_import.py --rounds 10 \
-  --json "$R/bench-plugin-import.json"
 echo; echo "=== done rc=$rc"
 sleep 1
 { echo; echo "## Steps"; cat "$R/steps.md"; } >> "$R/summary.md"
