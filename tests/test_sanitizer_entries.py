@@ -60,6 +60,49 @@ def test_module_entry_runs_a_program_under_it(tmp_path):
     assert "user_code.py" in p.stderr  # the mint and release sites are the user's lines
 
 
+def test_module_entry_written_as_one_argument(tmp_path):
+    p = _run(["-mcudagraph_lifecycle.sanitizer"], {"CUDAGRAPH_SANITIZE_BACKEND": "sim"}, tmp_path)
+    assert p.returncode == 1 and "StalePoolError: capture into stale pool" in p.stderr, p.stderr[-2000:]
+
+
+BAD_SETTINGS = [
+    ({"CUDAGRAPH_SANITIZE": "0"}, ["CUDAGRAPH_SANITIZE='0' turns the sanitizer off", "unset it"]),
+    ({"CUDAGRAPH_SANITIZE": "off"}, ["CUDAGRAPH_SANITIZE='off' turns the sanitizer off"]),
+    ({"CUDAGRAPH_SANITIZE": "loud"}, ["CUDAGRAPH_SANITIZE='loud' is not a sanitizer mode", "1 (or on), strict"]),
+    ({"CUDAGRAPH_SANITIZE_BACKEND": "gpu"}, ["CUDAGRAPH_SANITIZE_BACKEND='gpu'", "auto, cuda, sim"]),
+    ({"CUDAGRAPH_EXPANDABLE_TEARDOWN": "ignore"}, ["CUDAGRAPH_EXPANDABLE_TEARDOWN='ignore'", "refuse"]),
+]
+
+
+@pytest.mark.parametrize("env, words", BAD_SETTINGS, ids=[next(iter(e.items()))[1] for e, _ in BAD_SETTINGS])
+def test_module_entry_refuses_a_bad_setting_with_a_message_not_a_traceback(tmp_path, env, words):
+    p = _run(["-m", "cudagraph_lifecycle.sanitizer"], {"CUDAGRAPH_SANITIZE_BACKEND": "sim", **env}, tmp_path)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert p.stderr.startswith("cudagraph sanitizer: ") and all(w in p.stderr for w in words), p.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="asks for cuda where there is none")
+def test_a_backend_that_is_not_here_is_named_by_its_variable(tmp_path):
+    p = _run(["-m", "cudagraph_lifecycle.sanitizer"], {"CUDAGRAPH_SANITIZE_BACKEND": "cuda"}, tmp_path)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert "CUDAGRAPH_SANITIZE_BACKEND='cuda': backend 'cuda' was asked for" in p.stderr, p.stderr
+    p = _run([], {"CUDAGRAPH_SANITIZE": "1", "CUDAGRAPH_SANITIZE_BACKEND": "cuda"}, tmp_path)  # at import
+    assert p.returncode == 1 and "BackendUnavailableError: CUDAGRAPH_SANITIZE_BACKEND='cuda'" in p.stderr
+
+
+def test_the_variable_installs_one_in_a_program_run_as_a_module(tmp_path):
+    """``python -m`` of the user's own package: only our command installs its sanitizer itself."""
+    pkg = tmp_path / "userpkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("import cudagraph_lifecycle\n")
+    (pkg / "__main__.py").write_text(STALE)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CUDAGRAPH_")}
+    env.update({"CUDAGRAPH_SANITIZE": "1", "CUDAGRAPH_SANITIZE_BACKEND": "sim"})
+    p = subprocess.run([sys.executable, "-m", "userpkg"], capture_output=True, text=True, env=env, timeout=120,
+                       cwd=tmp_path)
+    assert p.returncode == 1 and "StalePoolError: capture into stale pool" in p.stderr, p.stderr[-2000:]
+
+
 def test_a_cudagraph_marked_test(pytester):
     pytester.makepyfile(test_user=f'''
         import pytest

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 
 from .errors import (
     BackendUnavailableError,
@@ -26,6 +27,7 @@ from .errors import (
 _LAZY = {
     "Backend": "backends",
     "PoolState": "backends",
+    "SimBackend": "backends.sim",
     "available_backends": "backends",
     "get_backend": "backends",
     "LazyPool": "pool",
@@ -50,7 +52,23 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
 
-if os.environ.get("CUDAGRAPH_SANITIZE", "").strip().lower() not in ("", "0", "off", "false", "no"):
+
+def _run_as_sanitizer_command() -> bool:
+    """``python -m cudagraph_lifecycle.sanitizer``: the command installs the sanitizer itself, and reports a
+    bad setting as a message rather than a traceback out of this import."""
+    argv = getattr(sys, "orig_argv", [])
+    for i, arg in enumerate(argv[1:], 1):
+        if arg == "-m":
+            return argv[i + 1:i + 2] == ["cudagraph_lifecycle.sanitizer"]
+        if arg.startswith("-m"):
+            return arg == "-mcudagraph_lifecycle.sanitizer"
+        if not arg.startswith("-"):
+            return False  # a script: what follows are its arguments
+    return False
+
+
+if os.environ.get("CUDAGRAPH_SANITIZE", "").strip().lower() not in ("", "0", "off", "false", "no") \
+        and not _run_as_sanitizer_command():
     from .sanitizer import install_from_env as _install
 
     _install()  # a sanitizer for the whole program
@@ -70,6 +88,7 @@ __all__ = [
     "RetiredPoolError",
     "RunnerReleasedError",
     "RunnerStats",
+    "SimBackend",
     "StalePoolError",
     "available_backends",
     "get_backend",

@@ -6,6 +6,7 @@ import os
 import runpy
 import sys
 
+from ..errors import BackendUnavailableError, ConfigError
 from .env import install_from_env
 
 
@@ -20,8 +21,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cudagraph sanitizer: no such program file: {argv[0]}", file=sys.stderr)
         return 2
     env = dict(os.environ)
-    env["CUDAGRAPH_SANITIZE"] = env.get("CUDAGRAPH_SANITIZE") or "on"
-    san = install_from_env(env)
+    value = env.get("CUDAGRAPH_SANITIZE", "").strip()
+    if value.lower() in ("0", "off", "false", "no"):
+        print(f"cudagraph sanitizer: CUDAGRAPH_SANITIZE={env['CUDAGRAPH_SANITIZE']!r} turns the sanitizer off, and "
+              "this command runs a program under one: unset it (or set it to 1 or strict), or run the program "
+              "without the command", file=sys.stderr)
+        return 2
+    env["CUDAGRAPH_SANITIZE"] = value or "on"
+    try:
+        san = install_from_env(env)
+    except (ConfigError, BackendUnavailableError) as e:
+        print(f"cudagraph sanitizer: {e}", file=sys.stderr)
+        return 2
     sys.argv = argv
     try:
         runpy.run_path(argv[0], run_name="__main__")

@@ -6,7 +6,7 @@ import os
 
 from ..backends import get_backend
 from ..choices import EXPANDABLE_TEARDOWN
-from ..errors import ConfigError
+from ..errors import BackendUnavailableError, ConfigError
 from .pool_sanitizer import PoolSanitizer
 
 _global: PoolSanitizer | None = None
@@ -38,6 +38,8 @@ def install_from_env(environ: dict[str, str] | None = None) -> PoolSanitizer | N
         backend = get_backend(kind)
     except ConfigError as e:
         raise ConfigError(f"CUDAGRAPH_SANITIZE_BACKEND={kind!r}: {e}") from None
+    except BackendUnavailableError as e:
+        raise BackendUnavailableError(f"CUDAGRAPH_SANITIZE_BACKEND={kind!r}: {e}") from None
     if _global is None or not _global.active:
         _global = PoolSanitizer(backend, mode=mode, expandable_teardown=teardown).start()
     return _global
