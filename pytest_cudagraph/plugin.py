@@ -111,10 +111,11 @@ def pytest_configure(config: pytest.Config) -> None:
         effective_backend(config)
         if not s["gpus"]:
             asked = settings.describe_source(s, "require_gpu" if s["require_gpu"] else "backend")
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            hidden = "" if visible is None else f", or CUDA_VISIBLE_DEVICES={visible!r} hiding them"
             raise pytest.UsageError(
-                f"{asked}: no usable GPU is visible to this process (a CPU build of torch, no GPU, or "
-                f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}). Run on a GPU runner, or "
-                "choose backend sim or auto"
+                f"{asked}: no usable GPU is visible to this process (a CPU build of torch, no GPU{hidden}). "
+                "Run on a GPU runner, or choose backend sim or auto"
             )
     s["mpi_unavailable"] = mpi_unavailable_reason()
     if s["require_mpi"] and s["mpi_unavailable"]:
@@ -243,9 +244,20 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         if found:
             config.workeroutput[reporting.SESSION_FINDINGS] = json.dumps(found)
         return
-    reporting.add_session_findings(config.stash[STATE_KEY], found)
+    state = config.stash[STATE_KEY]
+    reporting.add_session_findings(state, found)
+    if _program_wide_strict():
+        state["strict_findings"] = n = len(reporting.findings(state))
+        if n and session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = exitstatus = pytest.ExitCode.TESTS_FAILED
     if s["report"]:
-        reporting.write(s["report"], s, config.stash[STATE_KEY], exitstatus)
+        reporting.write(s["report"], s, state, exitstatus)
+
+
+def _program_wide_strict() -> bool:
+    """``CUDAGRAPH_SANITIZE=strict pytest ...``: every sanitizer finding of the session fails it (the plugin's
+    own ``--cudagraph-sanitize`` mode is about its engine cycles and cudagraph-marked tests)."""
+    return os.environ.get("CUDAGRAPH_SANITIZE", "").strip().lower() == "strict"
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -72,4 +72,5 @@ def findings_section(tr: Any, state: dict) -> None:
         for stack in f.get("stacks") or []:
             for line in stack.rstrip().splitlines()[-4:]:  # the innermost frames; the JSON keeps the whole stack
                 tr.write_line(f"      {line}")
-    tr.write_line(f"{len(found)} sanitizer finding(s)")
+    tr.write_line(f"{len(found)} sanitizer finding(s)"
+                  + ("; CUDAGRAPH_SANITIZE=strict: they fail the session" if state.get("strict_findings") else ""))

@@ -241,6 +241,19 @@ def test_a_session_wide_sanitizer_names_the_test_and_the_line(pytester, monkeypa
     assert data["totals"]["sanitizer_findings"] == 2
 
 
+@pytest.mark.parametrize("mode, rc", [("1", 0), ("strict", 1)])
+def test_a_session_wide_strict_sanitizer_fails_the_session_on_a_finding(pytester, monkeypatch, mode, rc):
+    monkeypatch.setenv("CUDAGRAPH_SANITIZE", mode)
+    monkeypatch.setenv("CUDAGRAPH_SANITIZE_BACKEND", "sim")
+    pytester.makepyfile(test_s=SESSION_TESTS)
+    res = pytester.runpytest_subprocess("-p", "cudagraph", "-p", "no:cacheprovider")
+    res.assert_outcomes(passed=3)  # each test passed: the findings come at the session's end
+    assert res.ret == rc
+    strict_line = "2 sanitizer finding(s); CUDAGRAPH_SANITIZE=strict: they fail the session"
+    res.stdout.fnmatch_lines([strict_line if rc else "2 sanitizer finding(s)"])
+    assert (strict_line in res.stdout.str()) == bool(rc)
+
+
 def test_an_unreadable_autograd_graph_is_blamed_only_for_what_nothing_else_explains():
     """A kept tensor whose autograd graph saved tensors that were modified in place since (autograd refuses
     to hand them back) is inferred to pin what is left, but only after the workspace caches were tried: the
