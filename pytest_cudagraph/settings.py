@@ -117,7 +117,7 @@ def _convert(o: Option, raw: Any, source: str) -> Any:
         except ValueError:
             raise pytest.UsageError(
                 f"{name}={raw!r} is not a size in bytes: give an integer, optionally with KiB, MiB or GiB "
-                f"(e.g. {name}=64MiB)") from None
+                f"(or KB, MB, GB: powers of 10; e.g. {name}=64MiB)") from None
     if o.kind in _NUMBERS:
         cast, lowest, what, example = _NUMBERS[o.kind]
         try:

@@ -29,6 +29,9 @@ OPTIONS = [
     ("growth cli", ["--cudagraph-max-growth=lots"], {}, "", "--cudagraph-max-growth='lots' is not a size in bytes"),
     ("growth env", [], {"CUDAGRAPH_MAX_GROWTH": "5 parsecs"}, "", "CUDAGRAPH_MAX_GROWTH='5 parsecs' is not a size"),
     ("growth ini", [], {}, "cudagraph_max_growth = -1", "ini key cudagraph_max_growth='-1' is not a size"),
+    ("growth units", [], {"CUDAGRAPH_MAX_GROWTH": "64MB5"}, "",
+     "CUDAGRAPH_MAX_GROWTH='64MB5' is not a size in bytes: give an integer, optionally with KiB, MiB or GiB (or KB, MB, "
+     "GB: powers of 10"),
     ("sanitize env", [], {"CUDAGRAPH_SANITIZE_MODE": "loud"}, "", "CUDAGRAPH_SANITIZE_MODE='loud' is not one of: off, on, strict"),
     ("expandable teardown cli", ["--cudagraph-expandable-teardown=ignore"], {}, "",
      "--cudagraph-expandable-teardown='ignore' is not one of: refuse, report"),
@@ -47,6 +50,8 @@ OPTIONS = [
     ("cuda without a GPU env", [], {"CUDAGRAPH_BACKEND": "cuda"}, "",
      "CUDAGRAPH_BACKEND=cuda: no usable GPU is visible"),
     ("require gpu", ["--cudagraph-require-gpu"], {}, "", "--cudagraph-require-gpu: no usable GPU is visible"),
+    ("require gpu, devices hidden", ["--cudagraph-require-gpu"], {"CUDA_VISIBLE_DEVICES": ""}, "",
+     "no GPU, or CUDA_VISIBLE_DEVICES='' hiding them). Run on a GPU runner"),
     ("require gpu and sim", ["--cudagraph-require-gpu", "--cudagraph-backend=sim"], {}, "",
      "--cudagraph-require-gpu contradicts --cudagraph-backend=sim"),
     ("require gpu env", [], {"CUDAGRAPH_REQUIRE_GPU": "1"}, "", "CUDAGRAPH_REQUIRE_GPU=True: no usable GPU is visible"),
