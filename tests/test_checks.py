@@ -29,6 +29,7 @@ def test_an_output_used_after_the_next_replay_raises_naming_both():
     text = str(e.value)
     assert "returned by replay 1 at" in text and "overwritten by the replay at" in text
     assert text.count("test_checks.py") >= 2  # both call sites are this file's lines
+    assert "cudagraph_lifecycle" not in text  # ... and nothing of the runner's machinery is shown
     assert torch.equal(second, torch.full((3, 8), 6.0)) and torch.equal(kept, torch.full((3, 8), 2.0))
     del first, second, e  # the error's traceback holds the overwritten output too
     assert r.release().clean

@@ -63,9 +63,9 @@ def _line_of(code, lasti: int) -> int:
     return code.co_firstlineno
 
 
-# Frames of these files are the machinery's, not the user's: dropped when a stack is shown.
-_OWN_FRAMES = ("cudagraph_lifecycle/observe/", "cudagraph_lifecycle/ledger", "cudagraph_lifecycle/cycle/",
-               "cudagraph_lifecycle/sanitizer/", "pytest_cudagraph/", "/multiprocessing/", "/mpi4py/", "/runpy.py")
+# Frames of these files are the machinery's, not the user's: dropped when a stack is shown (the user's line
+# that called the runner, the pool or a backend is what a finding points at).
+_OWN_FRAMES = ("/cudagraph_lifecycle/", "/pytest_cudagraph/", "/multiprocessing/", "/mpi4py/", "/runpy.py")
 
 
 class Stack:
@@ -111,15 +111,11 @@ class Stack:
         frames = [(code, lasti) for code, lasti in zip(fr[0::2], fr[1::2])
                   if not any(own in code.co_filename.replace(os.sep, "/") for own in _OWN_FRAMES)]
         libraries = _library_dirs()
-        user = [f for f in frames if not f[0].co_filename.startswith(libraries)
-                and _PACKAGE not in f[0].co_filename.replace(os.sep, "/")]
+        user = [f for f in frames if not f[0].co_filename.startswith(libraries)]
         if not (user or frames):
             return ""
         code, lasti = (user or frames)[0]
         return f"{code.co_filename}:{_line_of(code, lasti)} in {code.co_name}"
-
-
-_PACKAGE = "/cudagraph_lifecycle/"  # the runner's and the pool's frames are not where a user captured
 
 
 def _library_dirs() -> tuple[str, ...]:
