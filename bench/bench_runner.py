@@ -468,9 +468,11 @@ def main():
                           else bench_flush_path(be, 6, pinned=n, body=body)
                           for n, body in ((0, "one op"), (8, "one op"), (0, "16 layers"))],
     }
-    out = {"meta": be.describe() | {"date": time.strftime("%Y-%m-%d %H:%M:%S")}}
+    out = {"meta": be.describe() | {"date": time.strftime("%Y-%m-%d %H:%M:%S")}, "seconds": {}}
     for part in a.only or parts:
+        t0 = time.perf_counter()
         out[part] = run[part]()
+        out["seconds"][part] = round(time.perf_counter() - t0, 1)  # what a GPU check's deadline spends where
     emit(out, a.json)
 
 

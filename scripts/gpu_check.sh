@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole GPU check in one call (device tool): conformance on cuda, GPU tests, the peer-style engine
 # matrix, the soak, the examples' lifecycle suite on both worker paths (fork and spawn), with -n 2 and on MPI
-# ranks, and the benchmarks (runner, wrapper cost, sanitizer memory, worker, plugin import, MPI).
+# ranks, and the benchmarks (runner, wrapper cost, sanitizer memory, worker, MPI; plugin import beside them).
 #   run: bash scripts/gpu_check.sh      (writes to $OUT, or ./gpu-out when OUT is unset)
 # Every step runs under one deadline (GPU_CHECK_SECONDS, default 560) so the results archive is always
 # written inside the device tool's 10-minute limit; a step that no time is left for is listed as skipped.
@@ -32,6 +32,20 @@ step() {
   echo "- ${name}: $([ $r = 0 ] && echo ok || echo "FAILED (rc $r)") in $((SECONDS - t0)) s" >> "$R/steps.md"
   [ $r = 0 ] || rc=1
 }
+# beside NAME CMD...: a step that needs no GPU, run in the background beside the GPU steps (the machine has
+# cores to spare; its figure is a ratio of two sides measured in turn, so the load beside it reaches both);
+# its outcome and output join the others at the end
+BESIDE=() BESIDE_PIDS=()
+beside() {
+  local name=$1; shift
+  if [ -n "${GPU_CHECK_ONLY:-}" ] && ! [[ $name =~ $GPU_CHECK_ONLY ]]; then
+    echo "- ${name}: not selected (GPU_CHECK_ONLY)" >> "$R/steps.md"; return
+  fi
+  local n=${#BESIDE[@]}
+  echo; echo "=== $name (beside the GPU steps, from $(date -u +%H:%M:%S))"
+  ( t0=$SECONDS; timeout $((DEADLINE - SECONDS)) "$@" > "$R/beside-$n.log" 2>&1; echo "$? $((SECONDS - t0))" > "$R/beside-$n.rc" ) &
+  BESIDE+=("$name") BESIDE_PIDS+=($!)
+}
 
 echo "=== install"
 rm -rf /tmp/site  # a warm machine keeps an earlier call's install: measure this tree, not that one
@@ -53,6 +67,8 @@ print("- sources (`bash scripts/source_hash.sh`): "
 PY
 PT="python3 -m pytest -p cudagraph -p no:cacheprovider --cudagraph-require-gpu"
 
+beside "bench plugin import (CUDA build of torch)" python3 bench/bench_plugin_import.py --rounds 10 \
+  --json "$R/bench-plugin-import.json"
 step "conformance on cuda" python3 -m cudagraph_lifecycle.conformance --backend cuda --jobs 8 \
   --json "$R/conformance-cuda.json"
 step "GPU tests" $PT -q -rP tests/test_gpu.py
@@ -76,11 +92,17 @@ step "examples, spawn path (pytest process initialized CUDA)" env CUDAGRAPH_EXAM
   $PT examples/ --cudagraph-report="$R/examples-spawn.json"
 step "examples, -n 2 on one GPU" $PT examples/ -n 2 -q
 step "bench worker" python3 bench/bench_worker.py --backend cuda --engines 3 --json "$R/bench-worker.json"
-step "bench plugin import (CUDA build of torch)" python3 bench/bench_plugin_import.py --rounds 6 \
-  --json "$R/bench-plugin-import.json"
 step "examples on 2 MPI ranks sharing the GPU" $PT examples/test_mpi_lifecycle.py --cudagraph-require-mpi \
   --cudagraph-report="$R/examples-mpi.json"
 step "bench mpi" python3 bench/bench_mpi.py --backend cuda --ranks 2 --engines 3 --json "$R/bench-mpi.json"
+[ ${#BESIDE_PIDS[@]} = 0 ] || wait "${BESIDE_PIDS[@]}"  # (a bare wait would also wait for the log's tee)
+for n in "${!BESIDE[@]}"; do
+  echo; echo "=== ${BESIDE[$n]} (beside the GPU steps)"; cat "$R/beside-$n.log"
+  read -r r t < "$R/beside-$n.rc" 2>/dev/null || { r=1; t=?; }
+  echo "- ${BESIDE[$n]} (beside the GPU steps): $([ "$r" = 0 ] && echo ok || echo "FAILED (rc $r)") in $t s" >> "$R/steps.md"
+  [ "$r" = 0 ] || rc=1
+  rm -f "$R/beside-$n.log" "$R/beside-$n.rc"
+done
 echo; echo "=== done rc=$rc"
 sleep 1
 { echo; echo "## Steps"; cat "$R/steps.md"; } >> "$R/summary.md"
