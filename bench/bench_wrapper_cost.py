@@ -213,6 +213,26 @@ def layers(be, flow, rounds):
     return res
 
 
+def segment_round(be, stream, x, graphs):
+    """One round of the segment profile: ``graphs`` one-op captures into one pool through ``torch.cuda.graph``,
+    each timed as (entering the context, the captured op, leaving it) in ns; then the graphs are reset."""
+    gc.collect()
+    pool, gs, seg = be.graph_pool_handle(), [], []
+    for _ in range(graphs):
+        g = be.new_graph()
+        t0 = clock()
+        with be.graph(g, pool=pool, stream=stream):
+            t1 = clock()
+            (x + 1).relu_()
+            t2 = clock()
+        t3 = clock()
+        gs.append(g)
+        seg.append((t1 - t0, t2 - t1, t3 - t2))
+    for g in gs:
+        g.reset()
+    return seg
+
+
 def segments(be, stream, x, rounds, graphs=8):
     """The ``torch.cuda.graph`` flow timed in three segments per capture, with no timer inside any wrapper:
     entering the context (the two flushes and ``capture_begin``), the captured op (torch's own work only),
@@ -227,21 +247,7 @@ def segments(be, stream, x, rounds, graphs=8):
     tgts = targets(be.name)
 
     def one_round():
-        gc.collect()
-        pool, gs, seg = be.graph_pool_handle(), [], []
-        for _ in range(graphs):
-            g = be.new_graph()
-            t0 = clock()
-            with be.graph(g, pool=pool, stream=stream):
-                t1 = clock()
-                (x + 1).relu_()
-                t2 = clock()
-            t3 = clock()
-            gs.append(g)
-            seg.append((t1 - t0, t2 - t1, t3 - t2))
-        for g in gs:
-            g.reset()
-        return seg
+        return segment_round(be, stream, x, graphs)
 
     def bare():
         saved = patch_bare(tgts)

@@ -17,23 +17,20 @@ sanitizer's); each takes out or moves one part:
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import statistics
 import sys
-import time
 import weakref
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from bench.bench_wrapper_cost import segment_round  # noqa: E402
 from bench.common import emit  # noqa: E402
 from cudagraph_lifecycle import PoolSanitizer, get_backend, observe  # noqa: E402
 from cudagraph_lifecycle.ledger import CAPTURE_STACK_DEPTH, GraphEntry  # noqa: E402
 from cudagraph_lifecycle.observe.wrappers import TAG  # noqa: E402
-
-clock = time.perf_counter_ns
 
 
 def variant(original, proc, current_device, device0=False, inline=False, ctx_cell=False, no_old=False):
@@ -116,21 +113,7 @@ def main():
     reader = getattr(torch._C, "_cuda_getDevice", None) if be.name == "cuda" else (lambda: 0)
 
     def one_round():
-        gc.collect()
-        pool, gs, seg = be.graph_pool_handle(), [], []
-        for _ in range(a.graphs):
-            g = be.new_graph()
-            t0 = clock()
-            with be.graph(g, pool=pool, stream=stream):
-                t1 = clock()
-                (x + 1).relu_()
-                t2 = clock()
-            t3 = clock()
-            gs.append(g)
-            seg.append((t1 - t0, t2 - t1, t3 - t2))
-        for g in gs:
-            g.reset()
-        return seg
+        return segment_round(be, stream, x, a.graphs)
 
     def sanitized(**flags):
         with PoolSanitizer(be):
