@@ -20,6 +20,8 @@ applied under the lock at the next operation, so the books never change undernea
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib.util
 import itertools
 import json
 import os
@@ -63,9 +65,28 @@ def _line_of(code, lasti: int) -> int:
     return code.co_firstlineno
 
 
-# Frames of these files are the machinery's, not the user's: dropped when a stack is shown (the user's line
-# that called the runner, the pool or a backend is what a finding points at).
-_OWN_FRAMES = ("/cudagraph_lifecycle/", "/pytest_cudagraph/", "/multiprocessing/", "/mpi4py/", "/runpy.py")
+
+@functools.lru_cache(maxsize=1)
+def _machinery_dirs() -> tuple[str, ...]:
+    """Where this package, the plugin, multiprocessing and mpi4py live: their frames are the machinery's, not
+    the user's, and are dropped when a stack is shown (a finding points at the user's line that called the
+    runner, the pool, a backend or torch). Found by location, not by name: a user's folder may share one.
+    Read when a stack is first shown, never at capture; nothing is imported to find them."""
+    dirs = [os.path.dirname(os.path.abspath(__file__))]
+    for name in ("pytest_cudagraph", "multiprocessing", "mpi4py"):
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            spec = None
+        dirs += [os.path.abspath(d) for d in (spec.submodule_search_locations or [])] if spec else []
+    return tuple(d + os.sep for d in dirs)
+
+
+@functools.lru_cache(maxsize=4096)
+def _machinery(filename: str) -> bool:
+    if filename.startswith("<frozen "):  # runpy and the import system, as Python runs them frozen
+        return True
+    return os.path.abspath(filename).startswith(_machinery_dirs())  # (a code object's file may be relative)
 
 
 class Stack:
@@ -95,7 +116,7 @@ class Stack:
             keep = [
                 traceback.FrameSummary(code.co_filename, _line_of(code, lasti), code.co_name)
                 for code, lasti in reversed(list(zip(fr[0::2], fr[1::2])))
-                if not any(own in code.co_filename.replace(os.sep, "/") for own in _OWN_FRAMES)
+                if not _machinery(code.co_filename)
             ][-STACK_DEPTH:]
             self._text = "".join(traceback.format_list(keep))
         return self._text
@@ -108,8 +129,7 @@ class Stack:
         torch's, not the standard library's (``torch.cuda.graph``'s ``__enter__`` is not where a user
         captured). The innermost frame that is not this package's where no frame is the user's."""
         fr = self._frames
-        frames = [(code, lasti) for code, lasti in zip(fr[0::2], fr[1::2])
-                  if not any(own in code.co_filename.replace(os.sep, "/") for own in _OWN_FRAMES)]
+        frames = [(code, lasti) for code, lasti in zip(fr[0::2], fr[1::2]) if not _machinery(code.co_filename)]
         libraries = _library_dirs()
         user = [f for f in frames if not f[0].co_filename.startswith(libraries)]
         if not (user or frames):
