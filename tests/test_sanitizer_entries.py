@@ -60,9 +60,31 @@ def test_module_entry_runs_a_program_under_it(tmp_path):
     assert "user_code.py" in p.stderr  # the mint and release sites are the user's lines
 
 
-def test_module_entry_written_as_one_argument(tmp_path):
-    p = _run(["-mcudagraph_lifecycle.sanitizer"], {"CUDAGRAPH_SANITIZE_BACKEND": "sim"}, tmp_path)
-    assert p.returncode == 1 and "StalePoolError: capture into stale pool" in p.stderr, p.stderr[-2000:]
+COMMAND = "cudagraph_lifecycle.sanitizer"
+# how Python's own option parser reads a command line: is it our command?
+COMMAND_LINES = [
+    (["-m", COMMAND], True), (["-m" + COMMAND], True), (["-X", "dev", "-m", COMMAND], True),
+    (["-Xdev", "-m", COMMAND], True), (["-W", "ignore", "-m", COMMAND], True), (["-Im", COMMAND], True),
+    (["-u", "-E", "-m", COMMAND], True), (["-m", COMMAND + ".__main__"], True),
+    (["-m", "userpkg"], False), (["serve.py", "-m", COMMAND], False), (["-", "-m", COMMAND], False),
+    (["-c", "pass", "-m", COMMAND], False), (["-X", "-m", "-m", COMMAND], True), ([], False),
+]
+
+
+@pytest.mark.parametrize("args, ours", COMMAND_LINES, ids=[" ".join(a) or "(none)" for a, _ in COMMAND_LINES])
+def test_the_sanitizer_command_is_told_from_its_command_line(args, ours):
+    from cudagraph_lifecycle import _run_as_sanitizer_command
+
+    assert _run_as_sanitizer_command(["python", *args]) is ours
+
+
+@pytest.mark.parametrize("args", [["-mcudagraph_lifecycle.sanitizer"], ["-X", "dev", "-m", COMMAND],
+                                  ["-W", "ignore", "-m", COMMAND], ["-m", COMMAND + ".__main__"]],
+                         ids=["joined", "-X dev", "-W ignore", "__main__"])
+def test_module_entry_written_other_ways_reports_a_bad_setting_as_a_message(tmp_path, args):
+    p = _run(args, {"CUDAGRAPH_SANITIZE": "loud"}, tmp_path)  # the package's import must leave it to the command
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert "CUDAGRAPH_SANITIZE='loud' is not a sanitizer mode" in p.stderr
 
 
 BAD_SETTINGS = [

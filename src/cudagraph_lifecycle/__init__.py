@@ -53,17 +53,33 @@ def __dir__() -> list[str]:
 
 
 
-def _run_as_sanitizer_command() -> bool:
+def _run_as_sanitizer_command(argv: list[str] | None = None) -> bool:
     """``python -m cudagraph_lifecycle.sanitizer``: the command installs the sanitizer itself, and reports a
-    bad setting as a message rather than a traceback out of this import."""
-    argv = getattr(sys, "orig_argv", [])
-    for i, arg in enumerate(argv[1:], 1):
-        if arg == "-m":
-            return argv[i + 1:i + 2] == ["cudagraph_lifecycle.sanitizer"]
-        if arg.startswith("-m"):
-            return arg == "-mcudagraph_lifecycle.sanitizer"
-        if not arg.startswith("-"):
-            return False  # a script: what follows are its arguments
+    bad setting as a message rather than a traceback out of this import. Reads the interpreter's own command
+    line as its option parser does: options that take a value (``-X dev``, ``-W ignore``), grouped flags
+    (``-Im``), and the end of the options at a script, ``-c`` or ``-``."""
+    argv = list(getattr(sys, "orig_argv", []) if argv is None else argv)
+    i = 1
+    while i < len(argv):
+        arg = argv[i]
+        if arg in ("--check-hash-based-pycs",):
+            i += 2
+            continue
+        if arg == "-" or not arg.startswith("-"):
+            return False  # stdin or a script: what follows are its arguments
+        if arg.startswith("--"):
+            i += 1
+            continue
+        for j, flag in enumerate(arg[1:], 1):
+            if flag == "m":
+                module = arg[j + 1:] or (argv[i + 1] if i + 1 < len(argv) else "")
+                return module in ("cudagraph_lifecycle.sanitizer", "cudagraph_lifecycle.sanitizer.__main__")
+            if flag == "c":
+                return False
+            if flag in "WX":  # its value is the rest of the group, or the next argument
+                i += arg[j + 1:] == ""
+                break
+        i += 1
     return False
 
 
