@@ -2,7 +2,8 @@
 the JSON report with its PNG timeline.
 
 The totals agree with pytest's exit code: ``lifecycle_failures`` counts the tests that FAILED (not xfailed,
-not passed) with a failed engine cycle or a strict sanitizer finding, so a CI gate on
+not passed) with a failed engine cycle or a strict sanitizer finding, and one more for the session when a
+program-wide ``CUDAGRAPH_SANITIZE=strict`` failed it on its findings, so a CI gate on
 ``.totals.lifecycle_failures == 0`` fails exactly when pytest fails for lifecycle reasons.
 """
 
@@ -71,6 +72,13 @@ def rows(state: dict) -> list[tuple[str, dict]]:
     return [(t["nodeid"], c) for t in state["tests"].values() for c in t["cycles"]]
 
 
+def strict_session_findings(state: dict) -> int:
+    """The findings a program-wide ``CUDAGRAPH_SANITIZE=strict`` fails the session on: every one, but those of
+    a test that was expected to fail or was skipped."""
+    outcome = {nodeid: t["outcome"] for nodeid, t in state["tests"].items()}
+    return sum(1 for nodeid, _ in findings(state) if outcome.get(nodeid) not in ("xfailed", "skipped"))
+
+
 def totals(state: dict) -> dict[str, int]:
     cycles = rows(state)
     out = {"tests": len(state["tests"]), "cycles": len(cycles)}
@@ -81,6 +89,8 @@ def totals(state: dict) -> dict[str, int]:
     out["lifecycle_failures"] = sum(
         1 for t in state["tests"].values()
         if t["outcome"] in ("failed", "error") and (any(c.get("failed") for c in t["cycles"]) or t.get("strict_failure")))
+    out["strict_session_findings"] = state.get("strict_findings", 0)
+    out["lifecycle_failures"] += out["strict_session_findings"] > 0
     return out
 
 
