@@ -1,6 +1,7 @@
 """The pool sanitizer's ledger, driven through the simulated allocator."""
 
 import collections
+import os
 
 import pytest
 import torch
@@ -257,6 +258,47 @@ def test_sanitizer_env_install(monkeypatch):
     san = install_from_env({"CUDAGRAPH_SANITIZE": "strict", "CUDAGRAPH_SANITIZE_BACKEND": "sim"})
     try:
         assert san.active and san.mode == "strict"
+    finally:
+        san.stop()
+
+
+def test_a_forked_child_installs_its_own_program_wide_sanitizer():
+    """The plugin's workers fork from a process whose import may have installed the program-wide sanitizer:
+    the copy a fork leaves watches nothing there, so the child's install_from_env must install its own."""
+    from cudagraph_lifecycle.sanitizer import global_sanitizer
+
+    env = {"CUDAGRAPH_SANITIZE": "1", "CUDAGRAPH_SANITIZE_BACKEND": "sim"}
+    san = install_from_env(env)
+    try:
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child reports through the pipe and leaves without running pytest's exit
+            verdict = b"?"
+            try:
+                was = global_sanitizer()
+                mine = install_from_env(env)
+                be = mine.backend
+                pool = be.graph_pool_handle()
+                g = be.new_graph()
+                with be.stream(be.capture_stream(0)):
+                    g.capture_begin(pool=pool)
+                    kept = torch.ones(4) * 2
+                    g.capture_end()
+                g.reset()
+                try:
+                    with be.stream(be.capture_stream(0)):
+                        be.new_graph().capture_begin(pool=pool)  # into the dead pool `kept` pins
+                    verdict = b"not stopped"
+                except StalePoolError:
+                    verdict = b"ok" if was is None and mine is not san else b"inherited"
+                del kept
+            finally:
+                os.write(w, verdict)
+                os._exit(0)
+        os.close(w)
+        os.waitpid(pid, 0)
+        assert os.read(r, 64) == b"ok"
+        os.close(r)
     finally:
         san.stop()
 

@@ -47,3 +47,13 @@ def install_from_env(environ: dict[str, str] | None = None) -> PoolSanitizer | N
 
 def global_sanitizer() -> PoolSanitizer | None:
     return _global if _global is not None and _global.active else None
+
+
+def _forget_after_fork() -> None:
+    # A forked child starts unobserved (the observation layer and its judges reset at fork): the parent's
+    # sanitizer watches nothing here, and must not stop the child's install_from_env from installing one.
+    global _global
+    _global = None
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
