@@ -77,7 +77,7 @@ def test_engine_sequence_summary_and_report(pytester):
     data = json.loads(report.read_text())
     assert data["totals"] == {"tests": 1, "cycles": 3, "fresh": 0, "held": 3, "leaked": 0, "stale": 0, "reused": 0,
                               "error": 0, "failed_cycles": 0, "lifecycle_failures": 0,
-                              "sanitizer_findings": 0}
+                              "sanitizer_findings": 0, "strict_session_findings": 0}
     (t,) = data["tests"]
     assert t["outcome"] == "passed" and len(t["cycles"]) == 3
     assert len({c["pid"] for c in t["cycles"]}) == 1 and data["meta"]["effective_backend"] == "sim"
