@@ -52,7 +52,6 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
 
-
 def _run_as_sanitizer_command(argv: list[str] | None = None) -> bool:
     """``python -m cudagraph_lifecycle.sanitizer``: the command installs the sanitizer itself, and reports a
     bad setting as a message rather than a traceback out of this import. Reads the interpreter's own command
@@ -62,7 +61,7 @@ def _run_as_sanitizer_command(argv: list[str] | None = None) -> bool:
     i = 1
     while i < len(argv):
         arg = argv[i]
-        if arg in ("--check-hash-based-pycs",):
+        if arg == "--check-hash-based-pycs":
             i += 2
             continue
         if arg == "-" or not arg.startswith("-"):

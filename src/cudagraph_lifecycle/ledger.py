@@ -65,7 +65,6 @@ def _line_of(code, lasti: int) -> int:
     return code.co_firstlineno
 
 
-
 @functools.lru_cache(maxsize=1)
 def _machinery_dirs() -> tuple[str, ...]:
     """Where this package, the plugin, multiprocessing and mpi4py live: their frames are the machinery's, not

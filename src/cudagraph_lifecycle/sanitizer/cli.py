@@ -7,7 +7,7 @@ import runpy
 import sys
 
 from ..errors import BackendUnavailableError, ConfigError
-from .env import install_from_env
+from .env import OFF, install_from_env
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     env = dict(os.environ)
     value = env.get("CUDAGRAPH_SANITIZE", "").strip()
-    if value.lower() in ("0", "off", "false", "no"):
+    if value and value.lower() in OFF:
         print(f"cudagraph sanitizer: CUDAGRAPH_SANITIZE={env['CUDAGRAPH_SANITIZE']!r} turns the sanitizer off, and "
               "this command runs a program under one: unset it (or set it to 1 or strict), or run the program "
               "without the command", file=sys.stderr)

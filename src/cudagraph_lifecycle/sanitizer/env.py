@@ -10,7 +10,7 @@ from ..errors import BackendUnavailableError, ConfigError
 from .pool_sanitizer import PoolSanitizer
 
 _global: PoolSanitizer | None = None
-_OFF = ("", "0", "off", "false", "no")
+OFF = ("", "0", "off", "false", "no")  # (the package's import repeats these: it must not import this module)
 _ON = ("1", "on", "true", "yes")
 
 
@@ -21,7 +21,7 @@ def install_from_env(environ: dict[str, str] | None = None) -> PoolSanitizer | N
     global _global
     env = os.environ if environ is None else environ
     value = env.get("CUDAGRAPH_SANITIZE", "").strip().lower()
-    if value in _OFF:
+    if value in OFF:
         return None
     if value not in _ON and value != "strict":
         raise ConfigError(
