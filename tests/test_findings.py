@@ -256,6 +256,19 @@ def test_a_session_wide_strict_sanitizer_fails_the_session_on_a_finding(pytester
     assert (strict_line in res.stdout.str()) == bool(rc)
     t = json.loads(report.read_text())["totals"]  # the documented gate agrees with the exit code
     assert (t["lifecycle_failures"], t["strict_session_findings"]) == ((1, 2) if rc else (0, 0))
+    assert "cudagraph sanitizer: " not in res.stderr.str()  # reported under the tests, not again at exit
+
+
+def test_without_the_plugin_the_findings_are_printed_when_pytest_exits(pytester, monkeypatch):
+    monkeypatch.setenv("CUDAGRAPH_SANITIZE", "strict")
+    monkeypatch.setenv("CUDAGRAPH_SANITIZE_BACKEND", "sim")
+    pytester.makepyfile(test_s=SESSION_TESTS)
+    res = pytester.runpytest_subprocess("-p", "no:cudagraph", "-p", "no:cacheprovider")
+    res.assert_outcomes(passed=3)
+    assert res.ret == 1  # nobody reported them under their tests: the exit does, and strict fails it
+    res.stderr.fnmatch_lines(["cudagraph sanitizer: pinned_pool: pool (0, *) (captured at *test_s.py:11 in _capture)*",
+                              "cudagraph sanitizer: CUDAGRAPH_SANITIZE=strict and 2 finding(s): exit status 1"],
+                             consecutive=False)
 
 
 def test_a_strict_session_does_not_fail_on_an_xfailed_tests_finding(pytester, monkeypatch):

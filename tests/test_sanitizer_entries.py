@@ -54,6 +54,79 @@ def test_environment_variable_installs_one_for_the_whole_program(tmp_path):
     assert p.returncode == 1 and "StalePoolError: capture into stale pool" in p.stderr, p.stderr[-2000:]
 
 
+# A finding that raises nothing: a released pool pinned by a global of the program's main module.
+PINNED = textwrap.dedent('''
+    import sys
+    import torch
+    from cudagraph_lifecycle import get_backend
+
+    be = get_backend("sim")
+    handle = be.graph_pool_handle()
+    g = be.new_graph()
+    x = torch.ones(16)
+    with be.stream(be.capture_stream(0)):
+        g.capture_begin(pool=handle)
+        kept = x * 2
+        g.capture_end()
+    if "--clean" in sys.argv:
+        del kept
+    g.reset()
+    print("served")
+    if "--exit" in sys.argv:
+        sys.exit(int(sys.argv[-1]))
+''')
+PINNED_LINE = "cudagraph sanitizer: pinned_pool: pool (0, 1) (captured at {}:11 in <module>)"
+WHAT_PINS = "pinned by a tensor (16,) float32 held as global `kept` of module __main__"
+STRICT_EXIT = "cudagraph sanitizer: CUDAGRAPH_SANITIZE=strict and 1 finding(s): exit status 1"
+
+
+def _run_pinned(args, mode, tmp_path, *program_args):
+    script = tmp_path / "user_code.py"
+    script.write_text(PINNED)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CUDAGRAPH_")}
+    env.update({"CUDAGRAPH_SANITIZE": mode, "CUDAGRAPH_SANITIZE_BACKEND": "sim"})
+    return subprocess.run([sys.executable, *args, "user_code.py", *program_args], capture_output=True, text=True,
+                          env=env, timeout=120, cwd=tmp_path)
+
+
+@pytest.mark.parametrize("mode, rc", [("1", 0), ("strict", 1)])
+def test_the_variable_alone_prints_the_findings_at_exit(tmp_path, mode, rc):
+    p = _run_pinned([], mode, tmp_path)
+    assert p.returncode == rc and p.stdout == "served\n", p.stderr[-2000:]
+    assert p.stderr.startswith(PINNED_LINE.format(tmp_path / "user_code.py")) and WHAT_PINS in p.stderr, p.stderr
+    assert (STRICT_EXIT in p.stderr) == bool(rc)
+
+
+@pytest.mark.parametrize("command", [False, True], ids=["variable", "command"])
+def test_a_program_without_findings_prints_nothing_and_keeps_its_status(tmp_path, command):
+    args = ["-m", COMMAND] if command else []
+    assert _run_pinned(args, "strict", tmp_path, "--clean").stderr == ""
+    p = _run_pinned(args, "strict", tmp_path, "--clean", "--exit", "3")
+    assert (p.returncode, p.stderr) == (3, "")
+
+
+@pytest.mark.parametrize("status, rc", [("0", 1), ("3", 3)])
+def test_the_command_fails_a_strict_program_that_exits_cleanly(tmp_path, status, rc):
+    """``sys.exit(main())`` ends most programs: a clean exit with findings fails under strict; the program's
+    own failure keeps its status."""
+    p = _run_pinned(["-m", COMMAND], "strict", tmp_path, "--exit", status)
+    assert p.returncode == rc and p.stderr.startswith(PINNED_LINE.format(tmp_path / "user_code.py")), p.stderr[-2000:]
+    assert WHAT_PINS in p.stderr  # the program's module is still __main__ when its findings are read
+
+
+def test_the_command_runs_a_program_as_python_does(tmp_path):
+    """The program's folder comes first on sys.path (its sibling modules import), from any working folder."""
+    app = tmp_path / "app"
+    app.mkdir()
+    (app / "helper.py").write_text("ANSWER = 42\n")
+    (app / "serve.py").write_text("import sys\nfrom helper import ANSWER\nprint(__name__, ANSWER, sys.argv[1:])\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CUDAGRAPH_")}
+    env["CUDAGRAPH_SANITIZE_BACKEND"] = "sim"
+    p = subprocess.run([sys.executable, "-m", COMMAND, "app/serve.py", "--port", "1"], capture_output=True,
+                       text=True, env=env, timeout=120, cwd=tmp_path)
+    assert (p.returncode, p.stdout) == (0, "__main__ 42 ['--port', '1']\n"), p.stderr[-2000:]
+
+
 def test_module_entry_runs_a_program_under_it(tmp_path):
     p = _run(["-m", "cudagraph_lifecycle.sanitizer"], {"CUDAGRAPH_SANITIZE_BACKEND": "sim"}, tmp_path)
     assert p.returncode == 1 and "StalePoolError: capture into stale pool" in p.stderr, p.stderr[-2000:]

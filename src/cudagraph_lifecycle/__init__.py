@@ -86,7 +86,7 @@ if os.environ.get("CUDAGRAPH_SANITIZE", "").strip().lower() not in ("", "0", "of
         and not _run_as_sanitizer_command():
     from .sanitizer import install_from_env as _install
 
-    _install()  # a sanitizer for the whole program
+    _install(report_at_exit=True)  # a sanitizer for the whole program, its findings printed at exit
 
 __all__ = [
     "Backend",

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import builtins
+import io
 import os
-import runpy
 import sys
+import types
+from collections.abc import Callable
 
 from ..errors import BackendUnavailableError, ConfigError
-from .env import OFF, install_from_env
+from .env import OFF, install_from_env, print_findings
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> int | str | None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: python -m cudagraph_lifecycle.sanitizer PROGRAM.py [ARGS...]\n"
@@ -34,11 +37,31 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cudagraph sanitizer: {e}", file=sys.stderr)
         return 2
     sys.argv = argv
+    found: list = []
+    status: int | str | None = 0
     try:
-        runpy.run_path(argv[0], run_name="__main__")
+        _run_program(argv[0], lambda: found.extend(print_findings(san)))
+    except SystemExit as e:  # the program's own exit status, but a clean one fails under strict
+        status = e.code
+    return 1 if found and san.mode == "strict" and status in (0, None) else status
+
+
+def _run_program(path: str, at_end: Callable[[], None]) -> None:
+    """Run ``path`` as ``python PATH`` does: as module ``__main__``, its folder first on ``sys.path``.
+    ``at_end`` runs before the program's module leaves ``sys.modules``, so a finding can name a global of
+    ``__main__`` that pins a pool."""
+    path = os.path.abspath(path)  # as Python names a script since 3.9
+    with io.open_code(path) as f:
+        code = compile(f.read(), path, "exec")
+    module = types.ModuleType("__main__")
+    module.__file__ = path
+    module.__builtins__ = builtins
+    saved_main, saved_first = sys.modules["__main__"], sys.path[0]
+    sys.modules["__main__"] = module
+    sys.path[0] = os.path.dirname(path)
+    try:
+        exec(code, module.__dict__)
     finally:
-        found = san.findings()
-        for f in found:
-            engine = f" (made by {f.engine})" if f.engine else ""
-            print(f"cudagraph sanitizer: {f.kind}{engine}: {f.message}", file=sys.stderr)
-    return 1 if found and san.mode == "strict" else 0
+        at_end()
+        sys.modules["__main__"] = saved_main
+        sys.path[0] = saved_first

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
+from typing import TextIO
 
 from ..backends import get_backend
 from ..choices import EXPANDABLE_TEARDOWN
@@ -10,15 +13,19 @@ from ..errors import BackendUnavailableError, ConfigError
 from .pool_sanitizer import PoolSanitizer
 
 _global: PoolSanitizer | None = None
+_exit_report = False  # whether the package's import asked for a report at the process's exit
+_taken = False  # a reporter (the pytest plugin) took the findings: nothing is printed at exit
 OFF = ("", "0", "off", "false", "no")  # (the package's import repeats these: it must not import this module)
 _ON = ("1", "on", "true", "yes")
 
 
-def install_from_env(environ: dict[str, str] | None = None) -> PoolSanitizer | None:
+def install_from_env(environ: dict[str, str] | None = None, *, report_at_exit: bool = False) -> PoolSanitizer | None:
     """Install a process-wide sanitizer when ``CUDAGRAPH_SANITIZE`` is ``1``/``on``/``strict``, on the
     process's backend of kind ``CUDAGRAPH_SANITIZE_BACKEND`` (default ``auto``); under expandable segments
-    it refuses a hazardous teardown unless ``CUDAGRAPH_EXPANDABLE_TEARDOWN=report``."""
-    global _global
+    it refuses a hazardous teardown unless ``CUDAGRAPH_EXPANDABLE_TEARDOWN=report``. With
+    ``report_at_exit`` (the package's import) its findings are printed when the process exits, and under
+    ``strict`` they make the exit status 1, unless a reporter took them (:func:`findings_taken`)."""
+    global _global, _exit_report
     env = os.environ if environ is None else environ
     value = env.get("CUDAGRAPH_SANITIZE", "").strip().lower()
     if value in OFF:
@@ -42,11 +49,49 @@ def install_from_env(environ: dict[str, str] | None = None) -> PoolSanitizer | N
         raise BackendUnavailableError(f"CUDAGRAPH_SANITIZE_BACKEND={kind!r}: {e}") from None
     if _global is None or not _global.active:
         _global = PoolSanitizer(backend, mode=mode, expandable_teardown=teardown).start()
+    if report_at_exit and not _exit_report:
+        _exit_report = True
+        atexit.register(_report_at_exit)
     return _global
 
 
 def global_sanitizer() -> PoolSanitizer | None:
     return _global if _global is not None and _global.active else None
+
+
+def findings_taken() -> None:
+    """A reporter (the pytest plugin, under its tests) took the program-wide sanitizer's findings: the
+    process's exit prints nothing."""
+    global _taken
+    _taken = True
+
+
+def print_findings(san: PoolSanitizer, file: TextIO | None = None) -> list:
+    """One line per finding, as the sanitizer command and the exit report print them; the findings."""
+    found = san.findings()
+    for f in found:
+        engine = f" (made by {f.engine})" if f.engine else ""
+        print(f"cudagraph sanitizer: {f.kind}{engine}: {f.message}", file=file or sys.stderr)
+    return found
+
+
+def _report_at_exit() -> None:
+    # A forked child forgot the parent's sanitizer; the plugin's workers hand theirs to the parent.
+    san = global_sanitizer()
+    if san is None or _taken or os.environ.get("CUDAGRAPH_IN_WORKER"):
+        return
+    found = print_findings(san)
+    if found and san.mode == "strict":
+        print(f"cudagraph sanitizer: CUDAGRAPH_SANITIZE=strict and {len(found)} finding(s): exit status 1",
+              file=sys.stderr)
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (AttributeError, OSError, ValueError):
+                pass
+        # Python's exit status cannot be changed from an exit handler; handlers registered before this
+        # one (before the package's import) do not run, as with a C sanitizer's exit code.
+        os._exit(1)
 
 
 def _forget_after_fork() -> None:
