@@ -459,6 +459,34 @@ def s_capture_on_default_stream(c: Ctx) -> str:
     return attempt(go)
 
 
+def s_current_stream_is_per_thread(c: Ctx) -> str:
+    """A side stream made current in one thread is not current in another: there a capture is on the
+    default stream."""
+    import threading
+
+    other: list[str] = []
+
+    def capture_here() -> str:
+        x = c.tensor()
+        g = c.be.new_graph()
+
+        def go():
+            g.capture_begin(pool=c.be.graph_pool_handle())
+            try:
+                x * 2
+            finally:
+                g.capture_end()
+
+        return attempt(go)
+
+    with c.be.stream(c.stream):
+        t = threading.Thread(target=lambda: other.append(capture_here()))
+        t.start()
+        t.join()
+        here = capture_here()
+    return f"other thread: {other[0]}, this thread: {here}"
+
+
 def s_shared_pool_largest_first_smaller(c: Ctx) -> str:
     sizes = [1, 2, 4, 8, 16, 32]
 
@@ -745,6 +773,8 @@ SCENARIOS: list[Scenario] = [
     Scenario("reset_twice_is_noop", s_reset_twice_is_noop, "1"),
     Scenario("replay_after_reset", s_replay_after_reset, "replay-without-capture"),
     Scenario("capture_on_default_stream", s_capture_on_default_stream, "default-stream"),
+    Scenario("current_stream_is_per_thread", s_current_stream_is_per_thread,
+             "other thread: default-stream, this thread: ok"),
     Scenario("shared_pool_largest_first_smaller", s_shared_pool_largest_first_smaller, "largest-first<=smallest-first: True"),
     Scenario("separate_pools_not_smaller", s_separate_pools_not_smaller, "shared=2MiB separate=8MiB"),
     Scenario("host_sync_in_capture", s_host_sync_in_capture, "capture-invalidated then poisoned, use_count=2"),

@@ -424,7 +424,7 @@ class SimBackend(Backend):
         self._user_ids = itertools.count(1)  # graph_pool_handle() and MemPool: (0, n)
         self._graph_ids = itertools.count(1)  # a capture with no pool: (n, 0)
         self._default_streams = [SimStream(d, default=True) for d in range(devices)]
-        self._current_stream = self._default_streams[0]
+        self._streams = threading.local()  # as CUDA's, the current stream is each thread's own
         self._capturing: SimGraph | None = None
         self.poisoned: str | None = None
         self.record_stacks = record_stacks
@@ -441,6 +441,10 @@ class SimBackend(Backend):
     def torch_device(self, index: int) -> torch.device:
         self.check_device(index)
         return torch.device("cpu")
+
+    @property
+    def _current_stream(self) -> SimStream:
+        return getattr(self._streams, "current", None) or self._default_streams[0]
 
     def current_device(self) -> int:
         return self._current_stream.device
@@ -602,12 +606,12 @@ class SimBackend(Backend):
 
     @contextlib.contextmanager
     def stream(self, stream: SimStream):
-        prev = self._current_stream
-        self._current_stream = stream
+        prev = getattr(self._streams, "current", None)
+        self._streams.current = stream
         try:
             yield stream
         finally:
-            self._current_stream = prev
+            self._streams.current = prev
 
     @contextlib.contextmanager
     def graph(self, graph: SimGraph, pool: PoolId | None = None, stream: SimStream | None = None):
