@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -445,7 +446,7 @@ def s_replay_after_reset(c: Ctx) -> str:
     return attempt(g.replay)
 
 
-def s_capture_on_default_stream(c: Ctx) -> str:
+def _capture_on_current_stream(c: Ctx) -> str:
     g = c.be.new_graph()
     x = c.tensor()
 
@@ -459,31 +460,20 @@ def s_capture_on_default_stream(c: Ctx) -> str:
     return attempt(go)
 
 
+def s_capture_on_default_stream(c: Ctx) -> str:
+    return _capture_on_current_stream(c)
+
+
 def s_current_stream_is_per_thread(c: Ctx) -> str:
     """A side stream made current in one thread is not current in another: there a capture is on the
     default stream."""
-    import threading
-
     other: list[str] = []
 
-    def capture_here() -> str:
-        x = c.tensor()
-        g = c.be.new_graph()
-
-        def go():
-            g.capture_begin(pool=c.be.graph_pool_handle())
-            try:
-                x * 2
-            finally:
-                g.capture_end()
-
-        return attempt(go)
-
     with c.be.stream(c.stream):
-        t = threading.Thread(target=lambda: other.append(capture_here()))
+        t = threading.Thread(target=lambda: other.append(_capture_on_current_stream(c)))
         t.start()
         t.join()
-        here = capture_here()
+        here = _capture_on_current_stream(c)
     return f"other thread: {other[0]}, this thread: {here}"
 
 
