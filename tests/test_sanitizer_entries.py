@@ -127,6 +127,25 @@ def test_the_command_runs_a_program_as_python_does(tmp_path):
     assert (p.returncode, p.stdout) == (0, "__main__ 42 ['--port', '1']\n"), p.stderr[-2000:]
 
 
+FAILING_PROGRAMS = {
+    "raises": "def serve():\n    raise ValueError('boom')\n\nserve()\n",
+    "syntax error": "x = (\n",
+    "exits with a message": "import sys\nsys.exit('bad config')\n",
+    "exits with 4": "raise SystemExit(4)\n",
+}
+
+
+@pytest.mark.parametrize("body", FAILING_PROGRAMS.values(), ids=FAILING_PROGRAMS)
+def test_the_command_fails_as_python_does(tmp_path, body):
+    """Same status, same stderr (the traceback shows the program's frames only) as ``python PROGRAM.py``."""
+    (tmp_path / "serve.py").write_text(body)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CUDAGRAPH_")}
+    env["CUDAGRAPH_SANITIZE_BACKEND"] = "sim"
+    plain, ours = (subprocess.run([sys.executable, *args, "serve.py"], capture_output=True, text=True, env=env,
+                                  timeout=120, cwd=tmp_path) for args in ([], ["-m", COMMAND]))
+    assert (ours.returncode, ours.stderr) == (plain.returncode, plain.stderr)
+
+
 def test_module_entry_runs_a_program_under_it(tmp_path):
     p = _run(["-m", "cudagraph_lifecycle.sanitizer"], {"CUDAGRAPH_SANITIZE_BACKEND": "sim"}, tmp_path)
     assert p.returncode == 1 and "StalePoolError: capture into stale pool" in p.stderr, p.stderr[-2000:]

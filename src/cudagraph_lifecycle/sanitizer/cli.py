@@ -38,21 +38,16 @@ def main(argv: list[str] | None = None) -> int | str | None:
         return 2
     sys.argv = argv
     found: list = []
-    status: int | str | None = 0
-    try:
-        _run_program(argv[0], lambda: found.extend(print_findings(san)))
-    except SystemExit as e:  # the program's own exit status, but a clean one fails under strict
-        status = e.code
+    status = _run_program(argv[0], lambda: found.extend(print_findings(san)))
     return 1 if found and san.mode == "strict" and status in (0, None) else status
 
 
-def _run_program(path: str, at_end: Callable[[], None]) -> None:
-    """Run ``path`` as ``python PATH`` does: as module ``__main__``, its folder first on ``sys.path``.
-    ``at_end`` runs before the program's module leaves ``sys.modules``, so a finding can name a global of
-    ``__main__`` that pins a pool."""
+def _run_program(path: str, at_end: Callable[[], None]) -> int | str | None:
+    """Run ``path`` as ``python PATH`` does: as module ``__main__``, its folder first on ``sys.path``, an
+    uncaught exception shown by ``sys.excepthook`` with the program's frames only; its exit status.
+    ``at_end`` runs after that and before the program's module leaves ``sys.modules``, so a finding can name
+    a global of ``__main__`` that pins a pool."""
     path = os.path.abspath(path)  # as Python names a script since 3.9
-    with io.open_code(path) as f:
-        code = compile(f.read(), path, "exec")
     module = types.ModuleType("__main__")
     module.__file__ = path
     module.__builtins__ = builtins
@@ -60,7 +55,18 @@ def _run_program(path: str, at_end: Callable[[], None]) -> None:
     sys.modules["__main__"] = module
     sys.path[0] = os.path.dirname(path)
     try:
+        with io.open_code(path) as f:
+            code = compile(f.read(), path, "exec")
         exec(code, module.__dict__)
+        return 0
+    except SystemExit as e:
+        return e.code
+    except Exception as e:
+        tb = e.__traceback__
+        while tb is not None and tb.tb_frame.f_code.co_filename == __file__:  # this module's frames
+            tb = tb.tb_next
+        sys.excepthook(type(e), e.with_traceback(tb), tb)
+        return 1
     finally:
         at_end()
         sys.modules["__main__"] = saved_main
