@@ -80,11 +80,11 @@ WHAT_PINS = "pinned by a tensor (16,) float32 held as global `kept` of module __
 STRICT_EXIT = "cudagraph sanitizer: CUDAGRAPH_SANITIZE=strict and 1 finding(s): exit status 1"
 
 
-def _run_pinned(args, mode, tmp_path, *program_args):
+def _run_pinned(args, mode, tmp_path, *program_args, env_extra=None):
     script = tmp_path / "user_code.py"
     script.write_text(PINNED)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CUDAGRAPH_")}
-    env.update({"CUDAGRAPH_SANITIZE": mode, "CUDAGRAPH_SANITIZE_BACKEND": "sim"})
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CUDAGRAPH_", "OMPI_", "PMI"))}
+    env.update({"CUDAGRAPH_SANITIZE": mode, "CUDAGRAPH_SANITIZE_BACKEND": "sim", **(env_extra or {})})
     return subprocess.run([sys.executable, *args, "user_code.py", *program_args], capture_output=True, text=True,
                           env=env, timeout=120, cwd=tmp_path)
 
@@ -95,6 +95,12 @@ def test_the_variable_alone_prints_the_findings_at_exit(tmp_path, mode, rc):
     assert p.returncode == rc and p.stdout == "served\n", p.stderr[-2000:]
     assert p.stderr.startswith(PINNED_LINE.format(tmp_path / "user_code.py")) and WHAT_PINS in p.stderr, p.stderr
     assert (STRICT_EXIT in p.stderr) == bool(rc)
+
+
+@pytest.mark.parametrize("command", [False, True], ids=["variable", "command"])
+def test_an_mpi_ranks_findings_say_which_rank(tmp_path, command):
+    p = _run_pinned(["-m", COMMAND] if command else [], "strict", tmp_path, env_extra={"OMPI_COMM_WORLD_RANK": "3"})
+    assert p.returncode == 1 and p.stderr.startswith("cudagraph sanitizer (rank 3): pinned_pool: "), p.stderr
 
 
 @pytest.mark.parametrize("command", [False, True], ids=["variable", "command"])

@@ -66,12 +66,23 @@ def findings_taken() -> None:
     _taken = True
 
 
+# where an MPI launcher (Open MPI, MPICH/Hydra, PMIx) puts the process's rank
+_RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
+
+
+def _who() -> str:
+    rank = next((os.environ[v] for v in _RANK_VARIABLES if os.environ.get(v)), None)
+    return "cudagraph sanitizer" if rank is None else f"cudagraph sanitizer (rank {rank})"
+
+
 def print_findings(san: PoolSanitizer, file: TextIO | None = None) -> list:
-    """One line per finding, as the sanitizer command and the exit report print them; the findings."""
+    """One line per finding, as the sanitizer command and the exit report print them (an MPI rank's lines
+    say which rank: the ranks share one terminal); the findings."""
     found = san.findings()
+    who = _who()
     for f in found:
         engine = f" (made by {f.engine})" if f.engine else ""
-        print(f"cudagraph sanitizer: {f.kind}{engine}: {f.message}", file=file or sys.stderr)
+        print(f"{who}: {f.kind}{engine}: {f.message}", file=file or sys.stderr)
     return found
 
 
@@ -82,7 +93,7 @@ def _report_at_exit() -> None:
         return
     found = print_findings(san)
     if found and san.mode == "strict":
-        print(f"cudagraph sanitizer: CUDAGRAPH_SANITIZE=strict and {len(found)} finding(s): exit status 1",
+        print(f"{_who()}: CUDAGRAPH_SANITIZE=strict and {len(found)} finding(s): exit status 1",
               file=sys.stderr)
         for stream in (sys.stdout, sys.stderr):
             try:
