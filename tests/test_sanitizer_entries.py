@@ -70,6 +70,9 @@ PINNED = textwrap.dedent('''
         g.capture_end()
     if "--clean" in sys.argv:
         del kept
+    if "--write" in sys.argv:
+        results = open("results.txt", "w")  # left open: the interpreter's shutdown flushes it
+        results.write("the results\\n")
     g.reset()
     print("served")
     if "--exit" in sys.argv:
@@ -97,6 +100,12 @@ def test_the_variable_alone_prints_the_findings_at_exit(tmp_path, mode, rc):
     assert (STRICT_EXIT in p.stderr) == bool(rc)
 
 
+def test_strict_at_exit_still_writes_the_files_a_program_left_open(tmp_path):
+    p = _run_pinned([], "strict", tmp_path, "--write")
+    assert p.returncode == 1 and STRICT_EXIT in p.stderr, p.stderr[-2000:]
+    assert (tmp_path / "results.txt").read_text() == "the results\n"
+
+
 @pytest.mark.parametrize("command", [False, True], ids=["variable", "command"])
 def test_an_mpi_ranks_findings_say_which_rank(tmp_path, command):
     p = _run_pinned(["-m", COMMAND] if command else [], "strict", tmp_path, env_extra={"OMPI_COMM_WORLD_RANK": "3"})
@@ -120,7 +129,7 @@ def test_the_command_fails_a_strict_program_that_exits_cleanly(tmp_path, status,
     assert WHAT_PINS in p.stderr  # the program's module is still __main__ when its findings are read
 
 
-def test_the_command_runs_a_program_as_python_does(tmp_path):
+def test_the_command_runs_a_program_from_its_folder(tmp_path):
     """The program's folder comes first on sys.path (its sibling modules import), from any working folder."""
     app = tmp_path / "app"
     app.mkdir()
@@ -141,15 +150,70 @@ FAILING_PROGRAMS = {
 }
 
 
-@pytest.mark.parametrize("body", FAILING_PROGRAMS.values(), ids=FAILING_PROGRAMS)
-def test_the_command_fails_as_python_does(tmp_path, body):
-    """Same status, same stderr (the traceback shows the program's frames only) as ``python PROGRAM.py``."""
-    (tmp_path / "serve.py").write_text(body)
+PROGRAMS = {
+    **FAILING_PROGRAMS,
+    "annotations": "def f(x: int) -> int: ...\nprint(f.__annotations__)\n",
+    "a non-daemon thread": "import threading, time\n\ndef late():\n    time.sleep(0.3)\n    print('thread done')\n\n"
+                           "threading.Thread(target=late).start()\nprint('main done')\n",
+    "module attributes": "print(__name__, __spec__, type(__loader__).__name__, __file__ == __import__('os').path"
+                         ".abspath(__file__))\n",
+}
+
+
+def _plain_and_command(tmp_path, program: str):
     env = {k: v for k, v in os.environ.items() if not k.startswith("CUDAGRAPH_")}
     env["CUDAGRAPH_SANITIZE_BACKEND"] = "sim"
-    plain, ours = (subprocess.run([sys.executable, *args, "serve.py"], capture_output=True, text=True, env=env,
-                                  timeout=120, cwd=tmp_path) for args in ([], ["-m", COMMAND]))
-    assert (ours.returncode, ours.stderr) == (plain.returncode, plain.stderr)
+    return [subprocess.run([sys.executable, *args, program], capture_output=True, text=True, env=env, timeout=120,
+                           cwd=tmp_path) for args in ([], ["-m", COMMAND])]
+
+
+@pytest.mark.parametrize("body", PROGRAMS.values(), ids=PROGRAMS)
+def test_the_command_runs_a_program_as_python_does(tmp_path, body):
+    """Same status, output and stderr (a traceback shows the program's frames only) as ``python PROGRAM.py``."""
+    (tmp_path / "serve.py").write_text(body)
+    plain, ours = _plain_and_command(tmp_path, "serve.py")
+    assert (ours.returncode, ours.stdout, ours.stderr) == (plain.returncode, plain.stdout, plain.stderr)
+
+
+def test_the_command_runs_a_zip_application(tmp_path):
+    import zipapp
+
+    (tmp_path / "app").mkdir()
+    (tmp_path / "app" / "__main__.py").write_text("import sys\nprint('hello from', sys.argv[0].endswith('app.pyz'))\n")
+    zipapp.create_archive(tmp_path / "app", tmp_path / "app.pyz")
+    plain, ours = _plain_and_command(tmp_path, "app.pyz")
+    assert (ours.returncode, ours.stdout, ours.stderr) == (plain.returncode, plain.stdout, plain.stderr) == (
+        0, "hello from True\n", "")
+
+
+IN_A_THREAD = textwrap.dedent('''
+    import threading
+    import time
+    import torch
+    from cudagraph_lifecycle import get_backend
+
+    def serve():
+        global kept
+        time.sleep(0.3)  # still running when the main module's code has ended
+        be = get_backend("sim")
+        g = be.new_graph()
+        with be.stream(be.capture_stream(0)):
+            g.capture_begin(pool=be.graph_pool_handle())
+            kept = torch.ones(16) * 2
+            g.capture_end()
+        g.reset()
+
+    threading.Thread(target=serve).start()
+''')
+
+
+def test_the_command_reads_findings_after_the_programs_threads(tmp_path):
+    (tmp_path / "serve.py").write_text(IN_A_THREAD)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CUDAGRAPH_")}
+    env.update({"CUDAGRAPH_SANITIZE": "strict", "CUDAGRAPH_SANITIZE_BACKEND": "sim"})
+    p = subprocess.run([sys.executable, "-m", COMMAND, "serve.py"], capture_output=True, text=True, env=env,
+                       timeout=120, cwd=tmp_path)
+    assert p.returncode == 1 and "pinned_pool" in p.stderr and ":13 in serve)" in p.stderr, p.stderr[-2000:]
 
 
 def test_module_entry_runs_a_program_under_it(tmp_path):

@@ -469,8 +469,14 @@ def s_current_stream_is_per_thread(c: Ctx) -> str:
     default stream."""
     other: list[str] = []
 
+    def in_other_thread() -> None:
+        try:
+            other.append(_capture_on_current_stream(c))
+        except BaseException as e:  # whatever it is, it is the outcome
+            other.append(f"error:{type(e).__name__}")
+
     with c.be.stream(c.stream):
-        t = threading.Thread(target=lambda: other.append(_capture_on_current_stream(c)))
+        t = threading.Thread(target=in_other_thread)
         t.start()
         t.join()
         here = _capture_on_current_stream(c)

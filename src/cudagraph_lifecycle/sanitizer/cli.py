@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import builtins
+import importlib.machinery
 import io
 import os
+import runpy
 import sys
+import threading
 import types
+import zipfile
 from collections.abc import Callable
 
 from ..errors import BackendUnavailableError, ConfigError
-from .env import OFF, install_from_env, print_findings
+from .env import OFF, findings_taken, install_from_env, print_findings
 
 
 def main(argv: list[str] | None = None) -> int | str | None:
@@ -38,25 +42,42 @@ def main(argv: list[str] | None = None) -> int | str | None:
         return 2
     sys.argv = argv
     found: list = []
+    findings_taken()  # printed here: an exit report of the package's import would print them again
     status = _run_program(argv[0], lambda: found.extend(print_findings(san)))
     return 1 if found and san.mode == "strict" and status in (0, None) else status
 
 
 def _run_program(path: str, at_end: Callable[[], None]) -> int | str | None:
-    """Run ``path`` as ``python PATH`` does: as module ``__main__``, its folder first on ``sys.path``, an
-    uncaught exception shown by ``sys.excepthook`` with the program's frames only; its exit status.
-    ``at_end`` runs after that and before the program's module leaves ``sys.modules``, so a finding can name
-    a global of ``__main__`` that pins a pool."""
-    path = os.path.abspath(path)  # as Python names a script since 3.9
-    module = types.ModuleType("__main__")
-    module.__file__ = path
-    module.__builtins__ = builtins
-    saved_main, saved_first = sys.modules["__main__"], sys.path[0]
-    sys.modules["__main__"] = module
-    sys.path[0] = os.path.dirname(path)
+    """Run ``path`` as ``python PATH`` does and return its exit status; then, its non-daemon threads done,
+    ``at_end`` runs while the program's module is still ``__main__`` (a finding can name a global of it that
+    pins a pool). On Ctrl-C ``at_end`` runs too, and the interrupt goes on."""
     try:
+        status = _execute(path)
+        for t in threading.enumerate():  # as the interpreter waits before it exits
+            if t is not threading.main_thread() and not t.daemon:
+                t.join()
+    finally:
+        at_end()
+    return status
+
+
+def _execute(path: str) -> int | str | None:
+    """A script as module ``__main__`` (its folder first on ``sys.path`` unless ``-P``), a zip application
+    through ``runpy``; an uncaught exception shown by ``sys.excepthook`` with the program's frames only."""
+    try:
+        if zipfile.is_zipfile(path):
+            runpy.run_path(path, run_name="__main__")
+            return 0
+        path = os.path.abspath(path)  # as Python names a script since 3.9
+        module = types.ModuleType("__main__")
+        module.__file__ = path
+        module.__builtins__ = builtins
+        module.__loader__ = importlib.machinery.SourceFileLoader("__main__", path)
+        sys.modules["__main__"] = module
+        if not sys.flags.safe_path:
+            sys.path[0] = os.path.dirname(path)  # where `-m` put the working folder
         with io.open_code(path) as f:
-            code = compile(f.read(), path, "exec")
+            code = compile(f.read(), path, "exec", dont_inherit=True)  # not this module's __future__
         exec(code, module.__dict__)
         return 0
     except SystemExit as e:
@@ -67,7 +88,3 @@ def _run_program(path: str, at_end: Callable[[], None]) -> int | str | None:
             tb = tb.tb_next
         sys.excepthook(type(e), e.with_traceback(tb), tb)
         return 1
-    finally:
-        at_end()
-        sys.modules["__main__"] = saved_main
-        sys.path[0] = saved_first

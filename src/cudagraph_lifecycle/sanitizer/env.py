@@ -95,14 +95,30 @@ def _report_at_exit() -> None:
     if found and san.mode == "strict":
         print(f"{_who()}: CUDAGRAPH_SANITIZE=strict and {len(found)} finding(s): exit status 1",
               file=sys.stderr)
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (AttributeError, OSError, ValueError):
-                pass
+        _flush_open_files()
         # Python's exit status cannot be changed from an exit handler; handlers registered before this
         # one (before the package's import) do not run, as with a C sanitizer's exit code.
         os._exit(1)
+
+
+def _flush_open_files() -> None:
+    """What the interpreter's shutdown would have written: files the program left open (os._exit skips the
+    shutdown that flushes them), stdout and stderr last."""
+    import gc
+    import io
+
+    for f in gc.get_objects():
+        if isinstance(f, (io.BufferedIOBase, io.TextIOBase)) and f not in (sys.stdout, sys.stderr):
+            try:
+                if not f.closed and f.writable():
+                    f.flush()
+            except Exception:  # a broken pipe, a detached buffer: nothing more to save there
+                pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
 
 
 def _forget_after_fork() -> None:
