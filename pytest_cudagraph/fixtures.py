@@ -11,7 +11,7 @@ import pytest
 from .mpi import MPIRanks
 from .report import FINDINGS, STRICT_FAILURE
 from .sequence import EngineSequence
-from .settings import SETTINGS_KEY, effective_backend
+from .settings import SETTINGS_KEY, STATE_KEY, effective_backend
 from .worker import ReusedWorker
 
 SCOPES = ("function", "module", "session")
@@ -123,12 +123,32 @@ def cudagraph_backend_name(pytestconfig: pytest.Config) -> str:
     return _settings(pytestconfig)["backend"]
 
 
+def _close_reporting(w: ReusedWorker, config: pytest.Config, node: pytest.Item | None = None) -> None:
+    """Close a worker after reading what its sanitizer found in the calls made to it: a test's own worker's
+    findings are the test's (under strict they fail it); a shared worker's go to the session's, each under the
+    test that captured into its pool."""
+    try:
+        found = w.findings()
+    finally:
+        w.close()
+    if not found:
+        return
+    if node is None:
+        config.stash[STATE_KEY].setdefault("worker_findings", []).extend(found)
+        return
+    node.user_properties.append((FINDINGS, json.dumps(found)))
+    if _settings(config)["sanitize"] == "strict":
+        node.user_properties.append((STRICT_FAILURE, "1"))
+        pytest.fail("pool sanitizer findings in the test's worker:\n"
+                    + "\n".join(f"- {f['kind']}: {f['message']}" for f in found), pytrace=False)
+
+
 @pytest.fixture
-def cudagraph_worker(pytestconfig: pytest.Config):
+def cudagraph_worker(request: pytest.FixtureRequest, pytestconfig: pytest.Config):
     """A reused worker for one test: state persists across its calls, and it is gone after the test."""
     w = _new_worker(pytestconfig, "function")
     yield w
-    w.close()
+    _close_reporting(w, pytestconfig, request.node)
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +156,7 @@ def cudagraph_module_worker(pytestconfig: pytest.Config):
     """A reused worker shared by the tests of one module, like a module-scoped MPI pool."""
     w = _new_worker(pytestconfig, "module")
     yield w
-    w.close()
+    _close_reporting(w, pytestconfig)
 
 
 @pytest.fixture(scope="session")
@@ -144,7 +164,7 @@ def cudagraph_session_worker(pytestconfig: pytest.Config):
     """A reused worker for the whole session (per xdist worker)."""
     w = _new_worker(pytestconfig, "session")
     yield w
-    w.close()
+    _close_reporting(w, pytestconfig)
 
 
 def _mpi_ranks(config: pytest.Config, ranks: int | None = None) -> MPIRanks:

@@ -242,12 +242,12 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     s = config.stash.get(SETTINGS_KEY, None)
     if s is None:
         return
-    found = _session_findings()
+    state = config.stash[STATE_KEY]
+    found = _session_findings() + state.pop("worker_findings", [])  # (shared workers' are in by now)
     if hasattr(config, "workerinput"):
         if found:
             config.workeroutput[reporting.SESSION_FINDINGS] = json.dumps(found)
         return
-    state = config.stash[STATE_KEY]
     reporting.add_session_findings(state, found)
     if _program_wide_strict():
         state["strict_findings"] = n = reporting.strict_session_findings(state)

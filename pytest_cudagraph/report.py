@@ -30,10 +30,15 @@ def new_state() -> dict[str, Any]:
 
 
 def add_session_findings(state: dict, found: list[dict]) -> None:
-    """A program-wide sanitizer's findings at the session's end, less those a test already reported (the
+    """A program-wide sanitizer's findings at the session's end (this process's, or a shared worker's: those
+    carry its pid, and pool ids are only unique within a process), less those a test already reported (the
     test's own sanitizer, or an engine cycle, saw the same pool)."""
-    seen = {(f["kind"], tuple(f["pool_id"]), f["device"]) for _, f in findings(state, session=False)}
-    state["session_findings"] += [f for f in found if (f["kind"], tuple(f["pool_id"]), f["device"]) not in seen]
+    seen = {_key(f) for _, f in findings(state, session=False)}
+    state["session_findings"] += [f for f in found if _key(f) not in seen]
+
+
+def _key(f: dict) -> tuple:
+    return f.get("pid"), f["kind"], tuple(f["pool_id"]), f["device"]
 
 
 def findings(state: dict, session: bool = True) -> list[tuple[str, dict]]:
@@ -60,8 +65,8 @@ def record(state: dict, rep: pytest.TestReport) -> None:
     for name, value in rep.user_properties:
         if name == CYCLES:
             entry["cycles"] = json.loads(value)
-        elif name == FINDINGS:
-            entry["sanitizer"] = json.loads(value)
+        elif name == FINDINGS:  # the test's own sanitizer's, its worker's: every phase's report has them all
+            entry["sanitizer"] = [f for n, v in rep.user_properties if n == FINDINGS for f in json.loads(v)]
         elif name == SNAPSHOT:
             entry["memory_snapshot"] = value
         elif name == STRICT_FAILURE:

@@ -342,6 +342,16 @@ def attribute_to(test: str | None) -> None:
         _ledger_module.ledger.test = test
 
 
+def program_findings() -> list[dict]:
+    """In a worker: what its program-wide sanitizer found about pools no engine cycle made (an engine's pools
+    are judged in its record), as the report keeps them, with the worker's pid; none without one."""
+    env = sys.modules.get("cudagraph_lifecycle.sanitizer.env")
+    san = env.global_sanitizer() if env is not None else None
+    if san is None:
+        return []
+    return [{**f.as_dict(), "pid": os.getpid()} for f in san.findings() if f.engine is None]
+
+
 def _main_callables() -> dict[str, Any]:
     main = sys.modules.get("__main__")
     items = list(vars(main).items()) if main else []  # one step: another thread may bind names meanwhile
@@ -825,6 +835,16 @@ class ReusedWorker:
             if err.poisons_process:
                 self._needs_restart = True  # CUDA in that process is unusable from now on
             raise err
+
+    def findings(self) -> list[dict]:
+        """What the running child's sanitizer found outside engine cycles (:func:`program_findings`); none
+        when no child runs, or the one that runs is to be replaced (its CUDA is unusable)."""
+        if self._needs_restart or not self.alive:
+            return []
+        try:
+            return self.call(program_findings)
+        except WorkerError:
+            return []
 
     def restart_before_next_call(self) -> None:
         """The child's CUDA is unusable (the allocator asserted): replace it at the next call."""

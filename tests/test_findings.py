@@ -271,6 +271,52 @@ def test_without_the_plugin_the_findings_are_printed_when_pytest_exits(pytester,
                              consecutive=False)
 
 
+WORKER_TESTS = SESSION_TESTS.split("def test_pins_a_pool")[0] + '''
+def pin_a_pool():
+    be = get_backend("sim")
+    g, y = _capture(be)
+    CACHE["last"] = y
+    g.reset()
+    be.empty_cache()
+
+def test_in_its_worker(cudagraph_worker):
+    cudagraph_worker.call(pin_a_pool)
+
+def test_in_the_modules_worker(cudagraph_module_worker):
+    cudagraph_module_worker.call(pin_a_pool)
+
+def capture_and_release():
+    g, y = _capture(get_backend("sim"))
+    del y
+    g.reset()
+
+def test_clean_in_its_worker(cudagraph_worker):
+    cudagraph_worker.call(capture_and_release)
+'''
+
+
+@pytest.mark.parametrize("mode", ["on", "strict"])
+def test_findings_in_the_plugins_workers_are_reported_under_their_tests(pytester, mode):
+    pytester.makepyfile(test_w=WORKER_TESTS)
+    report = pytester.path / "r.json"
+    res = pytester.runpytest_subprocess("-p", "cudagraph", "-p", "no:cacheprovider", f"--cudagraph-report={report}",
+                                        f"--cudagraph-sanitize={mode}", "--cudagraph-backend=sim")
+    if mode == "on":
+        res.assert_outcomes(passed=3)
+    else:  # a test's own worker's findings fail it at teardown; a shared worker's are the session's
+        res.assert_outcomes(passed=3, errors=1)
+        res.stdout.fnmatch_lines(["*pool sanitizer findings in the test's worker:*", "- pinned_pool: pool (0, *"])
+    data = json.loads(report.read_text())
+    tests = {t["nodeid"].split("::")[1]: t for t in data["tests"]}
+    (own,) = tests["test_in_its_worker"]["sanitizer"]
+    assert own["kind"] == "pinned_pool" and own["pins"][0]["cause"] == "python_reference", own
+    assert own["sites"][0].endswith("test_w.py:11 in _capture") and own["pid"] > 0
+    assert not tests["test_clean_in_its_worker"].get("sanitizer")
+    (shared,) = data["sanitizer"]  # the module worker's, under the test that captured into its pool
+    assert shared["kind"] == "pinned_pool" and shared["tests"] == ["test_w.py::test_in_the_modules_worker"]
+    assert data["totals"]["sanitizer_findings"] == 2
+
+
 def test_a_strict_session_does_not_fail_on_an_xfailed_tests_finding(pytester, monkeypatch):
     monkeypatch.setenv("CUDAGRAPH_SANITIZE", "strict")
     monkeypatch.setenv("CUDAGRAPH_SANITIZE_BACKEND", "sim")

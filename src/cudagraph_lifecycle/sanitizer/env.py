@@ -87,7 +87,7 @@ def print_findings(san: PoolSanitizer, file: TextIO | None = None) -> list:
 
 
 def _report_at_exit() -> None:
-    # A forked child forgot the parent's sanitizer; the plugin's workers hand theirs to the parent.
+    # A forked child forgot the parent's sanitizer; the plugin reads its workers' (fixtures.py, engine records).
     san = global_sanitizer()
     if san is None or _taken or os.environ.get("CUDAGRAPH_IN_WORKER"):
         return
