@@ -106,6 +106,26 @@ def test_capture_inside_capture_is_refused():
         g1.capture_end()
 
 
+def test_another_threads_allocation_during_a_capture_is_in_the_default_pool():
+    """The capture sees its own thread's ops; a tensor another thread makes meanwhile (on its own, default,
+    stream) is the default pool's, not the graph's, and not lost from both."""
+    import threading
+
+    be = SimBackend()
+    g, x = be.new_graph(), be.randn(16)
+    made = []
+    with be.stream(be.new_stream(0)):
+        g.capture_begin(pool=be.graph_pool_handle())
+        before = be.default_pool_reserved(0)
+        x * 2
+        t = threading.Thread(target=lambda: made.append(be.randn(1 << 20)))
+        t.start()
+        t.join()
+        during = be.default_pool_reserved(0)
+        g.capture_end()
+    assert during - before >= 4 << 20 and be.pool_state(g.pool()).allocated_bytes < 4 << 20
+
+
 def test_synchronize_in_capture_invalidates_it():
     be = SimBackend()
     g = be.new_graph()

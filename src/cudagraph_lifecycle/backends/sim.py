@@ -287,6 +287,7 @@ class SimGraph:
         self._ever_captured = False
         self._holds_refs = False
         self._stream = 0
+        self._thread: int | None = None
 
     # capture
     def capture_begin(self, pool: PoolId | None = None, capture_error_mode: str = "global") -> None:
@@ -309,6 +310,7 @@ class SimGraph:
         self._invalidated = False
         self._ops = []
         be._capturing = self
+        self._thread = threading.get_ident()  # a dispatch mode sees its own thread's ops only
         self._mode = _CaptureMode(self)
         self._mode.__enter__()
 
@@ -721,9 +723,10 @@ class SimBackend(Backend):
         return self._factory(torch.empty(*shape, dtype=dtype), device)
 
     def _factory(self, t: torch.Tensor, device: int) -> torch.Tensor:
-        if self._capturing is not None or t.untyped_storage().nbytes() == 0:
+        capturing = self._capturing
+        if (capturing is not None and capturing._thread == threading.get_ident()) or t.untyped_storage().nbytes() == 0:
             return t  # inside a capture the capture's own mode books it in the graph's pool
-        return self._allocate_default(t, device)
+        return self._allocate_default(t, device)  # (another thread's, on its own stream: the default pool)
 
     def release_pool_reference(self, pool_id: PoolId, device: int = 0) -> None:
         self._decref_pool(tuple(pool_id), device)
