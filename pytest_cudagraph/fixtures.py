@@ -123,10 +123,10 @@ def cudagraph_backend_name(pytestconfig: pytest.Config) -> str:
     return _settings(pytestconfig)["backend"]
 
 
-def _close_reporting(w: ReusedWorker, config: pytest.Config, node: pytest.Item | None = None) -> None:
-    """Close a worker after reading what its sanitizer found in the calls made to it: a test's own worker's
-    findings are the test's (under strict they fail it); a shared worker's go to the session's, each under the
-    test that captured into its pool."""
+def _close_reporting(w: ReusedWorker | MPIRanks, config: pytest.Config, node: pytest.Item | None = None) -> None:
+    """Close a worker (or MPI ranks) after reading what its sanitizer found in the calls made to it: a test's
+    own worker's findings are the test's (under strict they fail it); a shared one's go to the session's, each
+    under the test that captured into its pool."""
     try:
         found = w.findings()
     finally:
@@ -180,7 +180,7 @@ def cudagraph_mpi_ranks(pytestconfig: pytest.Config):
     runs ``fn`` on every rank and returns ``[(rank, pid, value), ...]``. Skipped without MPI."""
     ranks = _mpi_ranks(pytestconfig)
     yield ranks
-    ranks.close()
+    _close_reporting(ranks, pytestconfig)
 
 
 def engines_marker(node: pytest.Item) -> tuple[int, str, str | None, int | None]:

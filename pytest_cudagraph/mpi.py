@@ -16,7 +16,7 @@ import socket
 import sys
 from typing import Any
 
-from .worker import ReusedWorker, attribute_to, dumps_call, freeze_startup_heap
+from .worker import ReusedWorker, WorkerError, attribute_to, dumps_call, freeze_startup_heap, program_findings
 
 # Open MPI refuses root and more ranks than cores unless told: CI machines and containers are both.
 MPI_ENV = {
@@ -165,6 +165,17 @@ class MPIRanks:
     def restart_before_next_call(self) -> None:
         """A rank's CUDA is unusable (the allocator asserted): start fresh ranks at the next call."""
         self.controller.restart_before_next_call()
+
+    def findings(self) -> list[dict]:
+        """What each rank's sanitizer found outside engine cycles, with its rank; none before the ranks
+        started, or when they are to be replaced."""
+        c = self.controller
+        if c._needs_restart or not c.alive:
+            return []
+        try:
+            return [{**f, "rank": rank} for rank, _, found in self.call_all(program_findings) for f in found]
+        except (WorkerError, RankError):
+            return []
 
     def close(self) -> None:
         self.controller.close()

@@ -79,6 +79,35 @@ def test_mpi_module_ranks_are_reused_across_tests(pytester):
 
 
 @needs_mpi
+def test_what_each_ranks_sanitizer_found_is_reported_with_its_rank(pytester):
+    pytester.makepyfile(test_r='''
+        import torch
+        from cudagraph_lifecycle import get_backend
+
+        KEPT = []
+
+        def pin_a_pool():
+            be = get_backend("sim")
+            g = be.new_graph()
+            with be.stream(be.new_stream(0)):
+                g.capture_begin(pool=be.graph_pool_handle())
+                KEPT.append(torch.ones(64) * 2)
+                g.capture_end()
+            g.reset()
+            be.empty_cache()
+
+        def test_pins_on_every_rank(cudagraph_mpi_ranks):
+            cudagraph_mpi_ranks.call_all(pin_a_pool)
+    ''')
+    report = pytester.path / "r.json"
+    run(pytester, "--cudagraph-backend=sim", f"--cudagraph-report={report}").assert_outcomes(passed=1)
+    found = json.loads(report.read_text())["sanitizer"]
+    assert sorted(f["rank"] for f in found) == [0, 1] and {f["kind"] for f in found} == {"pinned_pool"}, found
+    assert all(f["tests"] == ["test_r.py::test_pins_on_every_rank"] and f["sites"][0].endswith("in pin_a_pool")
+               for f in found), found
+
+
+@needs_mpi
 def test_crash_on_a_rank_is_reported_and_ranks_replaced(pytester):
     pytester.makepyfile(test_a='''
         import pytest
