@@ -311,6 +311,8 @@ def test_findings_in_the_plugins_workers_are_reported_under_their_tests(pytester
     tests = {t["nodeid"].split("::")[1]: t for t in data["tests"]}
     (own,) = tests["test_in_its_worker"]["sanitizer"]
     assert own["kind"] == "pinned_pool" and own["pins"][0]["cause"] == "python_reference", own
+    # the worker froze its modules at its first call (gc.freeze): the holder is still named
+    assert own["pins"][0]["holder"].endswith("held as key `last` of a dict (global `CACHE` of module test_w)"), own
     assert own["sites"][0].endswith("test_w.py:11 in _capture") and own["pid"] > 0
     assert not tests["test_clean_in_its_worker"].get("sanitizer")
     (shared,) = data["sanitizer"]  # the module worker's, under the test that captured into its pool

@@ -100,6 +100,12 @@ def test_the_variable_alone_prints_the_findings_at_exit(tmp_path, mode, rc):
     assert (STRICT_EXIT in p.stderr) == bool(rc)
 
 
+def test_strict_at_exit_fails_the_run_with_warnings_as_errors(tmp_path):
+    """The exit report touches no object's attributes: torch's deprecated names warn when touched."""
+    p = _run_pinned([], "strict", tmp_path, env_extra={"PYTHONWARNINGS": "error"})
+    assert p.returncode == 1 and p.stderr.rstrip().endswith(STRICT_EXIT), p.stderr[-2000:]
+
+
 def test_strict_at_exit_still_writes_the_files_a_program_left_open(tmp_path):
     p = _run_pinned([], "strict", tmp_path, "--write")
     assert p.returncode == 1 and STRICT_EXIT in p.stderr, p.stderr[-2000:]

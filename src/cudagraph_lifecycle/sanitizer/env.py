@@ -95,10 +95,12 @@ def _report_at_exit() -> None:
     if found and san.mode == "strict":
         print(f"{_who()}: CUDAGRAPH_SANITIZE=strict and {len(found)} finding(s): exit status 1",
               file=sys.stderr)
-        _flush_open_files()
-        # Python's exit status cannot be changed from an exit handler; handlers registered before this
-        # one (before the package's import) do not run, as with a C sanitizer's exit code.
-        os._exit(1)
+        try:
+            _flush_open_files()
+        finally:  # whatever the flush met (warnings turned into errors): the status is 1
+            # Python's exit status cannot be changed from an exit handler; handlers registered before this
+            # one (before the package's import) do not run, as with a C sanitizer's exit code.
+            os._exit(1)
 
 
 def _flush_open_files() -> None:
@@ -107,8 +109,10 @@ def _flush_open_files() -> None:
     import gc
     import io
 
+    files = (io.BufferedIOBase, io.TextIOBase)
     for f in gc.get_objects():
-        if isinstance(f, (io.BufferedIOBase, io.TextIOBase)) and f not in (sys.stdout, sys.stderr):
+        # type(), not isinstance(): an object's own __class__ may run code (torch's deprecated names warn)
+        if issubclass(type(f), files) and f is not sys.stdout and f is not sys.stderr:
             try:
                 if not f.closed and f.writable():
                     f.flush()

@@ -125,6 +125,8 @@ def _holder(obj: Any, ignore: set[int], depth: int = 3) -> str | None:
     """Who refers to ``obj``, in words: the first referrer that names it (up to ``depth`` levels up); None
     when no Python object does (then C++ holds it: an autograd graph, a library)."""
     refs = gc.get_referrers(obj)
+    if gc.get_freeze_count():
+        refs += _frozen_holders(obj)
     ignore = ignore | {id(sys._getframe()), id(refs)}  # this call's own list and frame refer to it too
     unnamed = None  # a container that holds it but that nothing names (a running function's local)
     for ref in refs:
@@ -163,6 +165,26 @@ def _holder(obj: Any, ignore: set[int], depth: int = 3) -> str | None:
             return what + up
         unnamed = unnamed or what
     return unnamed
+
+
+def _frozen_holders(obj: Any) -> list:
+    """Holders ``gc.get_referrers`` does not see: containers ``gc.freeze()`` moved out of the collector's
+    generations (a reused worker freezes what it started with, its modules among them). Looked for where a
+    program keeps things: module globals, and containers that are module globals."""
+    out: list = []
+    for mod in list(sys.modules.values()):
+        d = getattr(mod, "__dict__", None)
+        if type(d) is not dict:
+            continue
+        for v in list(d.values()):
+            if v is obj:
+                out.append(d)
+            elif type(v) in (list, tuple):
+                if any(x is obj for x in v):
+                    out.append(v)
+            elif type(v) is dict and any(x is obj for x in v.values()):
+                out.append(v)
+    return out
 
 
 def _up(obj: Any, ignore: set[int], depth: int) -> str:
