@@ -4,6 +4,7 @@ sanitizer that watches ``cudagraph``-marked tests in this process."""
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 import pytest
@@ -110,7 +111,8 @@ def _cudagraph_sanitize(request: pytest.FixtureRequest):
         pytest.fail("cudagraph budget:\n" + "\n".join(f"- {o}" for o in over), pytrace=False)
     found = san.findings()
     if found:
-        request.node.user_properties.append((FINDINGS, json.dumps([f.as_dict() for f in found])))
+        pid = os.getpid()  # (a program-wide sanitizer in this process may report the same pools: report.py)
+        request.node.user_properties.append((FINDINGS, json.dumps([{**f.as_dict(), "pid": pid} for f in found])))
     if found and s["sanitize"] == "strict":
         request.node.user_properties.append((STRICT_FAILURE, "1"))
         pytest.fail("pool sanitizer findings:\n" + "\n".join(f"- {f.kind}: {f.message}" for f in found),

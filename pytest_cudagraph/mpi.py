@@ -16,7 +16,7 @@ import socket
 import sys
 from typing import Any
 
-from .worker import ReusedWorker, WorkerError, attribute_to, dumps_call, freeze_startup_heap, program_findings
+from .worker import ReusedWorker, attribute_to, dumps_call, freeze_startup_heap, program_findings
 
 # Open MPI refuses root and more ranks than cores unless told: CI machines and containers are both.
 MPI_ENV = {
@@ -167,15 +167,15 @@ class MPIRanks:
         self.controller.restart_before_next_call()
 
     def findings(self) -> list[dict]:
-        """What each rank's sanitizer found outside engine cycles, with its rank; none before the ranks
-        started, or when they are to be replaced."""
+        """What each rank's sanitizer found outside engine cycles, with its rank: asked of running ranks as
+        :meth:`ReusedWorker.ask` asks (never holding up the close); none before they started."""
         c = self.controller
-        if c._needs_restart or not c.alive:
+        if not c.sanitized():
             return []
-        try:
-            return [{**f, "rank": rank} for rank, _, found in self.call_all(program_findings) for f in found]
-        except (WorkerError, RankError):
-            return []
+        tag = c._tag
+        ok, results = c.ask(_call_all, self.ranks, dumps_call(program_findings, (), {}), list(sys.path))
+        return [{**f, "rank": rank, "worker": tag} for rank, _, status, found in (results if ok else [])
+                if status == "ok" for f in found]
 
     def close(self) -> None:
         self.controller.close()

@@ -115,7 +115,8 @@ def pytest_configure(config: pytest.Config) -> None:
             hidden = "" if visible is None else f", or CUDA_VISIBLE_DEVICES={visible!r} hiding them"
             raise pytest.UsageError(
                 f"{asked}: no usable GPU is visible to this process (a CPU build of torch, no GPU{hidden}). "
-                "Run on a GPU runner, or choose backend sim or auto"
+                "Run on a GPU runner, or " + (f"drop {asked} (on a CPU the default backend, auto, runs sim)"
+                                              if s["require_gpu"] else "choose backend sim or auto")
             )
     s["mpi_unavailable"] = mpi_unavailable_reason()
     if s["require_mpi"] and s["mpi_unavailable"]:
@@ -231,7 +232,7 @@ def _session_findings() -> list[dict]:
         return []
     env.findings_taken()  # reported here, under their tests: the process's exit prints nothing
     san = env.global_sanitizer()
-    return [f.as_dict() for f in san.findings()] if san is not None else []
+    return [{**f.as_dict(), "pid": os.getpid()} for f in san.findings()] if san is not None else []
 
 
 @pytest.hookimpl(trylast=True)
@@ -249,8 +250,11 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             config.workeroutput[reporting.SESSION_FINDINGS] = json.dumps(found)
         return
     reporting.add_session_findings(state, found)
-    if _program_wide_strict():
-        state["strict_findings"] = n = reporting.strict_session_findings(state)
+    strict_by = "CUDAGRAPH_SANITIZE=strict" if _program_wide_strict() else \
+        "--cudagraph-sanitize=strict" if s["sanitize"] == "strict" else None
+    if strict_by:
+        state["strict_by"] = strict_by
+        state["strict_findings"] = n = reporting.strict_session_findings(state, strict_by.startswith("--"))
         if n and session.exitstatus == pytest.ExitCode.OK:
             session.exitstatus = exitstatus = pytest.ExitCode.TESTS_FAILED
     if s["report"]:

@@ -30,15 +30,16 @@ def new_state() -> dict[str, Any]:
 
 
 def add_session_findings(state: dict, found: list[dict]) -> None:
-    """A program-wide sanitizer's findings at the session's end (this process's, or a shared worker's: those
-    carry its pid, and pool ids are only unique within a process), less those a test already reported (the
-    test's own sanitizer, or an engine cycle, saw the same pool)."""
+    """A program-wide sanitizer's findings at the session's end (a pytest process's, or a shared worker's),
+    less those a test already reported (the test's own sanitizer saw the same pool in the same process: pool
+    ids are unique only within one, so a finding names its process by pid, and a worker's also by the
+    worker's child, pids being reused)."""
     seen = {_key(f) for _, f in findings(state, session=False)}
     state["session_findings"] += [f for f in found if _key(f) not in seen]
 
 
 def _key(f: dict) -> tuple:
-    return f.get("pid"), f["kind"], tuple(f["pool_id"]), f["device"]
+    return f.get("pid"), f.get("worker"), f["kind"], tuple(f["pool_id"]), f["device"]
 
 
 def findings(state: dict, session: bool = True) -> list[tuple[str, dict]]:
@@ -77,11 +78,15 @@ def rows(state: dict) -> list[tuple[str, dict]]:
     return [(t["nodeid"], c) for t in state["tests"].values() for c in t["cycles"]]
 
 
-def strict_session_findings(state: dict) -> int:
-    """The findings a program-wide ``CUDAGRAPH_SANITIZE=strict`` fails the session on: every one, but those of
-    a test that was expected to fail or was skipped."""
+def strict_session_findings(state: dict, shared_workers: bool = False) -> int:
+    """The findings a strict sanitizer fails the session on, but those of a test that was expected to fail or
+    was skipped: under ``CUDAGRAPH_SANITIZE=strict`` every one; under ``--cudagraph-sanitize=strict``
+    (``shared_workers``) a module or session worker's, found when it closed, after its tests ended (a test's
+    own were failing it already)."""
     outcome = {nodeid: t["outcome"] for nodeid, t in state["tests"].items()}
-    return sum(1 for nodeid, _ in findings(state) if outcome.get(nodeid) not in ("xfailed", "skipped"))
+    found = [(nodeid, f) for nodeid, f in findings(state)
+             if not shared_workers or (f in state.get("session_findings", ()) and "pid" in f)]
+    return sum(1 for nodeid, _ in found if outcome.get(nodeid) not in ("xfailed", "skipped"))
 
 
 def totals(state: dict) -> dict[str, int]:

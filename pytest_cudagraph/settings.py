@@ -88,6 +88,11 @@ def where(o: Option, source: str) -> str:
     return {"cli": f"--cudagraph-{o.name}", "env": o.env, "ini": f"ini key {o.ini}"}[source]
 
 
+def setting(o: Option, source: str, value: Any) -> str:
+    """How to write ``value`` where the user set the option: ``--cudagraph-x=v``, ``VAR=v``, or the ini line."""
+    return f"`{o.ini} = {value}` in the [pytest] section" if source == "ini" else f"{where(o, source)}={value}"
+
+
 # kind -> (cast, lowest accepted value, what it must be, an example)
 _NUMBERS = {"int": (int, 1, "an integer", 2), "float": (float, 0, "a number of seconds", 120)}
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -117,13 +122,13 @@ def _convert(o: Option, raw: Any, source: str) -> Any:
         except ValueError:
             raise pytest.UsageError(
                 f"{name}={raw!r} is not a size in bytes: give an integer, optionally with KiB, MiB or GiB "
-                f"(or KB, MB, GB: powers of 10; e.g. {name}=64MiB)") from None
+                f"(or KB, MB, GB: powers of 10; e.g. {setting(o, source, '64MiB')})") from None
     if o.kind in _NUMBERS:
         cast, lowest, what, example = _NUMBERS[o.kind]
         try:
             value = cast(raw)
         except (TypeError, ValueError):
-            raise pytest.UsageError(f"{name}={raw!r} is not {what}: e.g. {name}={example}") from None
+            raise pytest.UsageError(f"{name}={raw!r} is not {what}: e.g. {setting(o, source, example)}") from None
         if value < lowest:
             raise pytest.UsageError(
                 f"{name}={raw!r} is below {lowest} ({'0 means no limit' if lowest == 0 else 'give a positive number'})")

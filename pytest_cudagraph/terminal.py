@@ -62,7 +62,8 @@ def findings_section(tr: Any, state: dict) -> None:
     tr.section("cudagraph sanitizer")
     for nodeid, f in found:
         made = f" (made by {f['engine']})" if f.get("engine") and not f["engine"].startswith(nodeid) else ""
-        tr.write_line(f"{nodeid}: {f['kind']}: pool {tuple(f['pool_id'])} on device {f['device']}, "
+        rank = f" of rank {f['rank']}" if f.get("rank") is not None else ""
+        tr.write_line(f"{nodeid}: {f['kind']}: pool {tuple(f['pool_id'])} on device {f['device']}{rank}, "
                       f"{_mib(f['bytes'])}{made}")
         tr.write_line(f"    {f['message']}")
         for site in f.get("sites") or []:
@@ -72,8 +73,10 @@ def findings_section(tr: Any, state: dict) -> None:
         for stack in f.get("stacks") or []:
             for line in stack.rstrip().splitlines()[-4:]:  # the innermost frames; the JSON keeps the whole stack
                 tr.write_line(f"      {line}")
-    strict = state.get("strict_findings", 0)
-    tr.write_line(f"{len(found)} sanitizer finding(s)" + (
-        "" if not strict else "; CUDAGRAPH_SANITIZE=strict: they fail the session" if strict == len(found)
-        else f"; CUDAGRAPH_SANITIZE=strict: {strict} of them fail the session (the rest are xfailed or skipped "
-             "tests')"))
+    strict, by = state.get("strict_findings", 0), state.get("strict_by")
+    if by == "--cudagraph-sanitize=strict":  # the tests' own failed their tests already
+        tail = f"; {by}: {strict} of them, a shared worker's found when it closed, fail the session" if strict else ""
+    else:
+        tail = "" if not strict else f"; {by}: they fail the session" if strict == len(found) \
+            else f"; {by}: {strict} of them fail the session (the rest are xfailed or skipped tests')"
+    tr.write_line(f"{len(found)} sanitizer finding(s)" + tail)

@@ -588,6 +588,8 @@ _LIVENESS_S = 0.5
 # close() waits this long for a call running in another thread before it kills the child anyway, and this
 # long for an idle child to leave on its own.
 _CLOSE_LOCK_WAIT_S = 1.0
+# A call made for a report (ask) gets this long at most, whatever the worker's timeout.
+_ASK_WAIT_S = 30.0
 _CLOSE_EXIT_WAIT_S = 2.0
 
 
@@ -632,6 +634,7 @@ class ReusedWorker:
         self._dropped: weakref.finalize | None = None  # ends the child if this object is dropped unclosed
         self._lock = threading.Lock()
         self._needs_restart = False
+        self._harvested: list[dict] = []  # findings of poisoned children, asked before they were replaced
         _live.add(self)
 
     @property
@@ -815,6 +818,7 @@ class ReusedWorker:
         payload = dumps_call(fn, args, kwargs, forked_main)
         with self._lock:
             if self._needs_restart:
+                self._harvest()
                 self._replace()
             if self._proc is None or self._proc.exitcode is not None:  # exitcode: is_alive less a getpid
                 self.start()
@@ -836,15 +840,58 @@ class ReusedWorker:
                 self._needs_restart = True  # CUDA in that process is unusable from now on
             raise err
 
-    def findings(self) -> list[dict]:
-        """What the running child's sanitizer found outside engine cycles (:func:`program_findings`); none
-        when no child runs, or the one that runs is to be replaced (its CUDA is unusable)."""
-        if self._needs_restart or not self.alive:
-            return []
+    def ask(self, fn, *args: Any, wait: float = _ASK_WAIT_S) -> tuple[bool, Any]:
+        """A short call made for a report, one that never holds up a close: made only on a running child,
+        when no call in another thread holds the worker for more than a second, with a deadline of its own
+        (``wait``); a child that crashes or does not answer is replaced at the next call. ``(True, value)``,
+        or ``(False, None)`` where it could not be made or failed."""
+        if not self._lock.acquire(timeout=_CLOSE_LOCK_WAIT_S):
+            return False, None
         try:
-            return self.call(program_findings)
-        except WorkerError:
-            return []
+            return self._ask(fn, args, wait)
+        finally:
+            self._lock.release()
+
+    def _ask(self, fn, args: tuple, wait: float) -> tuple[bool, Any]:
+        if not self.alive:
+            return False, None
+        payload = dumps_call(fn, args, {}, self._forked_main)
+        timeout, self.timeout = self.timeout, wait if self.timeout is None else min(self.timeout, wait)
+        self.calls += 1
+        try:
+            reply = self._exchange(payload, self.calls, fn)
+        except BaseException as e:  # its reply may still come: this child answers no further call
+            self._needs_restart = True
+            if not isinstance(e, WorkerError):
+                raise
+            return False, None
+        finally:
+            self.timeout = timeout
+        status, *rest = pickle.loads(reply)
+        return (True, rest[0]) if status == "ok" else (False, None)
+
+    def findings(self) -> list[dict]:
+        """What this worker's children's sanitizers found outside engine cycles (:func:`program_findings`):
+        the running child's, asked now (with :meth:`ask`), and those of children replaced because an error
+        poisoned them, asked before they went. A child that crashed or hung took its findings with it."""
+        found, self._harvested = self._harvested, []
+        if self.sanitized():
+            tag = self._tag
+            ok, now = self.ask(program_findings)
+            found += [{**f, "worker": tag} for f in now] if ok else []
+        return found
+
+    def sanitized(self) -> bool:
+        """Whether the child installs a program-wide sanitizer (``CUDAGRAPH_SANITIZE``, its own or inherited)."""
+        value = self.env.get("CUDAGRAPH_SANITIZE", os.environ.get("CUDAGRAPH_SANITIZE", ""))
+        return value.strip().lower() not in ("", "0", "off", "false", "no")
+
+    def _harvest(self) -> None:
+        """Before a poisoned child is replaced: its Python still answers, so keep what its sanitizer found."""
+        if self.sanitized():
+            tag = self._tag
+            ok, found = self._ask(program_findings, (), _ASK_WAIT_S)
+            self._harvested += [{**f, "worker": tag} for f in found] if ok else []
 
     def restart_before_next_call(self) -> None:
         """The child's CUDA is unusable (the allocator asserted): replace it at the next call."""

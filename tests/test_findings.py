@@ -3,6 +3,7 @@ a pinned pool (a global, an attribute, a list, the autograd graph of a copy, a l
 
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -318,6 +319,81 @@ def test_findings_in_the_plugins_workers_are_reported_under_their_tests(pytester
     (shared,) = data["sanitizer"]  # the module worker's, under the test that captured into its pool
     assert shared["kind"] == "pinned_pool" and shared["tests"] == ["test_w.py::test_in_the_modules_worker"]
     assert data["totals"]["sanitizer_findings"] == 2
+    # under strict the shared worker's finding, found after its test ended, fails the session
+    assert data["totals"]["strict_session_findings"] == (mode == "strict")
+    assert (("--cudagraph-sanitize=strict: 1 of them, a shared worker's found when it closed, fail the session"
+             in res.stdout.str()) == (mode == "strict"))
+
+
+def test_a_poisoned_workers_findings_are_read_before_it_is_replaced(pytester):
+    pytester.makepyfile(test_w=WORKER_TESTS.split("def test_in_its_worker")[0] + '''
+import pytest
+from pytest_cudagraph import RemoteError
+
+def poisoned():
+    raise RuntimeError("it->second->use_count > 0 INTERNAL ASSERT FAILED (as the allocator raises it)")
+
+def test_pin_then_poison(cudagraph_worker):
+    cudagraph_worker.call(pin_a_pool)
+    with pytest.raises(RemoteError) as e:
+        cudagraph_worker.call(poisoned)
+    assert e.value.poisons_process
+    first = cudagraph_worker.pid
+    cudagraph_worker.call(int)  # on a new child
+    assert cudagraph_worker.pid != first
+''')
+    report = pytester.path / "r.json"
+    res = pytester.runpytest_subprocess("-p", "cudagraph", "-p", "no:cacheprovider", f"--cudagraph-report={report}",
+                                        "--cudagraph-backend=sim")
+    res.assert_outcomes(passed=1)
+    (t,) = json.loads(report.read_text())["tests"]
+    assert [f["kind"] for f in t.get("sanitizer") or []] == ["pinned_pool"], t
+
+
+def test_a_busy_worker_does_not_hold_up_its_close(pytester):
+    """A call still running in another thread at teardown: the findings are not waited for (the close ends
+    the child after a second, as it always did)."""
+    pytester.makepyfile(test_w='''
+import threading, time
+
+def test_busy(cudagraph_worker):
+    cudagraph_worker.call(int)
+    threading.Thread(target=cudagraph_worker.call, args=(time.sleep, 120), daemon=True).start()
+    time.sleep(0.5)
+''')
+    t0 = time.monotonic()
+    res = pytester.runpytest_subprocess("-p", "cudagraph", "-p", "no:cacheprovider", "--cudagraph-backend=sim")
+    res.assert_outcomes(passed=1)
+    assert time.monotonic() - t0 < 60  # not the 120 s of the call, nor the 300 s timeout
+
+
+@pytest.mark.parametrize("xdist", [False, True], ids=["one process", "xdist -n 2"])
+def test_the_same_pool_id_in_two_processes_is_two_findings(pytester, monkeypatch, xdist):
+    """Pool ids start at (0, 1) in every process: a marked test's finding in one xdist worker does not hide
+    the program-wide sanitizer's in another."""
+    monkeypatch.setenv("CUDAGRAPH_SANITIZE", "1")
+    monkeypatch.setenv("CUDAGRAPH_SANITIZE_BACKEND", "sim")
+    pin = SESSION_TESTS.split("def test_pins_a_pool")[0]
+    pytester.makepyfile(test_p=pin + "import pytest\n\n@pytest.mark.cudagraph\ndef test_p():\n"
+                                     "    g, y = _capture(get_backend('sim'))\n    CACHE['p'] = y\n    g.reset()\n",
+                        test_q=pin + "def test_q():\n    g, y = _capture(get_backend('sim'))\n    CACHE['q'] = y\n"
+                                     "    g.reset()\n")
+    report = pytester.path / "r.json"
+    args = ["-p", "cudagraph", "-p", "no:cacheprovider", f"--cudagraph-report={report}"]
+    res = pytester.runpytest_subprocess(*args, *(["-n", "2", "--dist", "loadfile"] if xdist else []))
+    res.assert_outcomes(passed=2)
+    data = json.loads(report.read_text())
+    where = sorted(nodeid.split("::")[1] for nodeid in [t["nodeid"] for t in data["tests"] if t.get("sanitizer")]
+                   + [f["tests"][0] for f in data["sanitizer"]])
+    assert where == ["test_p", "test_q"] and data["totals"]["sanitizer_findings"] == 2, data
+
+
+def test_a_shared_workers_finding_alone_fails_a_strict_session(pytester):
+    pytester.makepyfile(test_w=WORKER_TESTS.replace("def test_in_its_worker", "def _not_collected"))
+    res = pytester.runpytest_subprocess("-p", "cudagraph", "-p", "no:cacheprovider", "--cudagraph-sanitize=strict",
+                                        "--cudagraph-backend=sim")
+    res.assert_outcomes(passed=2)
+    assert res.ret == 1
 
 
 def test_a_strict_session_does_not_fail_on_an_xfailed_tests_finding(pytester, monkeypatch):
