@@ -125,7 +125,8 @@ def cudagraph_backend_name(pytestconfig: pytest.Config) -> str:
     return _settings(pytestconfig)["backend"]
 
 
-def _close_reporting(w: ReusedWorker | MPIRanks, config: pytest.Config, node: pytest.Item | None = None) -> None:
+def _close_reporting(w: ReusedWorker | MPIRanks, config: pytest.Config, node: pytest.Item | None = None,
+                     mode: str | None = None) -> None:
     """Close a worker (or MPI ranks) after reading what its sanitizer found in the calls made to it: a test's
     own worker's findings are the test's (under strict they fail it); a shared one's go to the session's, each
     under the test that captured into its pool."""
@@ -139,7 +140,7 @@ def _close_reporting(w: ReusedWorker | MPIRanks, config: pytest.Config, node: py
         config.stash[STATE_KEY].setdefault("worker_findings", []).extend(found)
         return
     node.user_properties.append((FINDINGS, json.dumps(found)))
-    if _settings(config)["sanitize"] == "strict":
+    if (mode or _settings(config)["sanitize"]) == "strict":
         node.user_properties.append((STRICT_FAILURE, "1"))
         pytest.fail("pool sanitizer findings in the test's worker:\n"
                     + "\n".join(f"- {f['kind']}: {f['message']}" for f in found), pytrace=False)
@@ -229,11 +230,11 @@ def engine_sequence(request: pytest.FixtureRequest, pytestconfig: pytest.Config)
             holder = request.getfixturevalue("cudagraph_mpi_ranks")
         else:
             holder = _mpi_ranks(pytestconfig, ranks)
-            request.addfinalizer(holder.close)
+            request.addfinalizer(lambda: _close_reporting(holder, pytestconfig, request.node))
         return EngineSequence(request, n, holder, s)
     if sanitize is not None:
         worker = _new_worker(pytestconfig, "function", sanitize)
-        request.addfinalizer(worker.close)
+        request.addfinalizer(lambda: _close_reporting(worker, pytestconfig, request.node, sanitize))
         return EngineSequence(request, n, worker, {**s, "sanitize": sanitize})
     name = {"function": "cudagraph_worker", "module": "cudagraph_module_worker",
             "session": "cudagraph_session_worker"}[scope]

@@ -388,6 +388,20 @@ def test_the_same_pool_id_in_two_processes_is_two_findings(pytester, monkeypatch
     assert where == ["test_p", "test_q"] and data["totals"]["sanitizer_findings"] == 2, data
 
 
+def test_an_engine_sequences_own_worker_reports_a_plain_calls_finding(pytester):
+    """``cudagraph_engines(sanitize=...)`` gives the sequence a worker of its own, in that mode."""
+    pytester.makepyfile(test_w=WORKER_TESTS.split("def test_in_its_worker")[0] + '''
+import pytest
+
+@pytest.mark.cudagraph_engines(sanitize="strict")
+def test_sequence_worker(engine_sequence):
+    engine_sequence.worker.call(pin_a_pool)
+''')
+    res = pytester.runpytest_subprocess("-p", "cudagraph", "-p", "no:cacheprovider", "--cudagraph-backend=sim")
+    res.assert_outcomes(passed=1, errors=1)  # strict: the marker's mode, though the session's is on
+    res.stdout.fnmatch_lines(["*pool sanitizer findings in the test's worker:*"])
+
+
 def test_a_shared_workers_finding_alone_fails_a_strict_session(pytester):
     pytester.makepyfile(test_w=WORKER_TESTS.replace("def test_in_its_worker", "def _not_collected"))
     res = pytester.runpytest_subprocess("-p", "cudagraph", "-p", "no:cacheprovider", "--cudagraph-sanitize=strict",
