@@ -200,12 +200,15 @@ def _capture(be):
         g.capture_end()
     return g, y
 
-def test_pins_a_pool():
+def pin_a_pool():
     be = get_backend("sim")
     g, y = _capture(be)
     CACHE["last"] = y
     g.reset()
     be.empty_cache()
+
+def test_pins_a_pool():
+    pin_a_pool()
 
 def test_keeps_a_graph():
     GRAPHS.append(_capture(get_backend("sim")))
@@ -274,13 +277,6 @@ def test_without_the_plugin_the_findings_are_printed_when_pytest_exits(pytester,
 
 
 WORKER_TESTS = SESSION_TESTS.split("def test_pins_a_pool")[0] + '''
-def pin_a_pool():
-    be = get_backend("sim")
-    g, y = _capture(be)
-    CACHE["last"] = y
-    g.reset()
-    be.empty_cache()
-
 def test_in_its_worker(cudagraph_worker):
     cudagraph_worker.call(pin_a_pool)
 

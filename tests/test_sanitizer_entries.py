@@ -11,9 +11,10 @@ import torch
 
 from cudagraph_lifecycle import CUDAGraphRunner, LazyPool, PoolSanitizer, StalePoolError, get_backend
 
-# A stale capture written the way user code is: the backend by name, a handle kept after release, and the
-# last output still held.
-STALE = textwrap.dedent('''
+# User code as it is written: the backend by name, a capture helper, a handle kept after release, the last
+# output still held (a global of the main module).
+PROGRAM = textwrap.dedent('''
+    import sys
     import torch
     from cudagraph_lifecycle import get_backend
 
@@ -29,9 +30,9 @@ STALE = textwrap.dedent('''
     be = get_backend("sim")
     handle = be.graph_pool_handle()
     g, kept = capture(be, handle)
-    g.reset()
-    capture(be, handle)  # into a dead pool: the output above pins it
 ''')
+# a stale capture: into a dead pool, which the output above pins
+STALE = PROGRAM + "g.reset()\ncapture(be, handle)\n"
 
 
 def test_pool_sanitizer_by_name_watches_code_that_gets_its_backend_by_name():
@@ -55,19 +56,7 @@ def test_environment_variable_installs_one_for_the_whole_program(tmp_path):
 
 
 # A finding that raises nothing: a released pool pinned by a global of the program's main module.
-PINNED = textwrap.dedent('''
-    import sys
-    import torch
-    from cudagraph_lifecycle import get_backend
-
-    be = get_backend("sim")
-    handle = be.graph_pool_handle()
-    g = be.new_graph()
-    x = torch.ones(16)
-    with be.stream(be.capture_stream(0)):
-        g.capture_begin(pool=handle)
-        kept = x * 2
-        g.capture_end()
+PINNED = PROGRAM + textwrap.dedent('''
     if "--clean" in sys.argv:
         del kept
     if "--write" in sys.argv:
@@ -78,7 +67,7 @@ PINNED = textwrap.dedent('''
     if "--exit" in sys.argv:
         sys.exit(int(sys.argv[-1]))
 ''')
-PINNED_LINE = "cudagraph sanitizer: pinned_pool: pool (0, 1) (captured at {}:11 in <module>)"
+PINNED_LINE = "cudagraph sanitizer: pinned_pool: pool (0, 1) (captured at {}:10 in capture)"
 WHAT_PINS = "pinned by a tensor (16,) float32 held as global `kept` of module __main__"
 STRICT_EXIT = "cudagraph sanitizer: CUDAGRAPH_SANITIZE=strict and 1 finding(s): exit status 1"
 
