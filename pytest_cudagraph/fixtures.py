@@ -170,11 +170,11 @@ def cudagraph_session_worker(pytestconfig: pytest.Config):
     _close_reporting(w, pytestconfig)
 
 
-def _mpi_ranks(config: pytest.Config, ranks: int | None = None) -> MPIRanks:
+def _mpi_ranks(config: pytest.Config, ranks: int | None = None, sanitize: str | None = None) -> MPIRanks:
     s = _settings(config)
     if s["mpi_unavailable"]:
         pytest.skip(f"needs MPI: {s['mpi_unavailable']}")
-    return MPIRanks(ranks or s["mpi_ranks"], timeout=s["timeout"] or None, env=_worker_env(s))
+    return MPIRanks(ranks or s["mpi_ranks"], timeout=s["timeout"] or None, env=_worker_env(s, sanitize))
 
 
 @pytest.fixture(scope="module")
@@ -229,9 +229,9 @@ def engine_sequence(request: pytest.FixtureRequest, pytestconfig: pytest.Config)
         if scope == "module" and ranks is None:
             holder = request.getfixturevalue("cudagraph_mpi_ranks")
         else:
-            holder = _mpi_ranks(pytestconfig, ranks)
-            request.addfinalizer(lambda: _close_reporting(holder, pytestconfig, request.node))
-        return EngineSequence(request, n, holder, s)
+            holder = _mpi_ranks(pytestconfig, ranks, sanitize)
+            request.addfinalizer(lambda: _close_reporting(holder, pytestconfig, request.node, sanitize))
+        return EngineSequence(request, n, holder, {**s, "sanitize": sanitize} if sanitize else s)
     if sanitize is not None:
         worker = _new_worker(pytestconfig, "function", sanitize)
         request.addfinalizer(lambda: _close_reporting(worker, pytestconfig, request.node, sanitize))

@@ -124,6 +124,12 @@ def _call_all(ranks: int, payload: bytes, path: list[str]) -> list[tuple]:
     return _run_batch(ranks, payload)
 
 
+def _ranks_findings(ranks: int, path: list[str]) -> list[dict]:
+    """Runs in the controller: what each rank's program-wide sanitizer found, with its rank."""
+    results = _call_all(ranks, dumps_call(program_findings, (), {}), path)
+    return [{**f, "rank": rank} for rank, _, status, found in results if status == "ok" for f in found]
+
+
 class RankError(Exception):
     """The callable raised on one or more ranks: each rank's type, message and traceback."""
 
@@ -153,6 +159,7 @@ class MPIRanks:
         # spawn: the controller must not inherit a parent's MPI or CUDA state
         self.controller = ReusedWorker(start_method="spawn", timeout=timeout, env={**MPI_ENV, **(env or {})},
                                        name=f"mpi{ranks}")
+        self.controller.findings_call = (_ranks_findings, (ranks, list(sys.path)))
 
     def call_all(self, fn, *args: Any, **kwargs: Any) -> list[tuple[int, int, Any]]:
         payload = dumps_call(fn, args, kwargs)
@@ -167,15 +174,9 @@ class MPIRanks:
         self.controller.restart_before_next_call()
 
     def findings(self) -> list[dict]:
-        """What each rank's sanitizer found outside engine cycles, with its rank: asked of running ranks as
-        :meth:`ReusedWorker.ask` asks (never holding up the close); none before they started."""
-        c = self.controller
-        if not c.sanitized():
-            return []
-        tag = c._tag
-        ok, results = c.ask(_call_all, self.ranks, dumps_call(program_findings, (), {}), list(sys.path))
-        return [{**f, "rank": rank, "worker": tag} for rank, _, status, found in (results if ok else [])
-                if status == "ok" for f in found]
+        """What each rank's sanitizer found outside engine cycles, with its rank (as
+        :meth:`ReusedWorker.findings` reads them: also from ranks poisoned before they were replaced)."""
+        return self.controller.findings()
 
     def close(self) -> None:
         self.controller.close()

@@ -115,8 +115,10 @@ def pytest_configure(config: pytest.Config) -> None:
             hidden = "" if visible is None else f", or CUDA_VISIBLE_DEVICES={visible!r} hiding them"
             raise pytest.UsageError(
                 f"{asked}: no usable GPU is visible to this process (a CPU build of torch, no GPU{hidden}). "
-                "Run on a GPU runner, or " + (f"drop {asked} (on a CPU the default backend, auto, runs sim)"
-                                              if s["require_gpu"] else "choose backend sim or auto")
+                "Run on a GPU runner, or " + "; ".join(
+                    ([settings.unset(s, "require_gpu") + " (on a CPU the default backend, auto, runs sim)"]
+                     if s["require_gpu"] else [])
+                    + (["choose backend sim or auto"] if s["backend"] == "cuda" else []))
             )
     s["mpi_unavailable"] = mpi_unavailable_reason()
     if s["require_mpi"] and s["mpi_unavailable"]:

@@ -85,7 +85,7 @@ def strict_session_findings(state: dict, shared_workers: bool = False) -> int:
     own were failing it already)."""
     outcome = {nodeid: t["outcome"] for nodeid, t in state["tests"].items()}
     found = [(nodeid, f) for nodeid, f in findings(state)
-             if not shared_workers or (f in state.get("session_findings", ()) and "pid" in f)]
+             if not shared_workers or (f.get("worker") and f in state.get("session_findings", ()))]
     return sum(1 for nodeid, _ in found if outcome.get(nodeid) not in ("xfailed", "skipped"))
 
 

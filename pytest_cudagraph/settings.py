@@ -93,6 +93,14 @@ def setting(o: Option, source: str, value: Any) -> str:
     return f"`{o.ini} = {value}` in the [pytest] section" if source == "ini" else f"{where(o, source)}={value}"
 
 
+def unset(s: dict[str, Any], key: str) -> str:
+    """How to take back what the user set, in their words: drop the flag, unset the variable, remove the key."""
+    o = BY_NAME[key.replace("_", "-")]
+    source = s["sources"].get(key, "default")
+    return {"cli": f"drop --cudagraph-{o.name}", "env": f"unset {o.env}",
+            "ini": f"remove {o.ini} from the ini file"}.get(source, f"leave --cudagraph-{o.name} at its default")
+
+
 # kind -> (cast, lowest accepted value, what it must be, an example)
 _NUMBERS = {"int": (int, 1, "an integer", 2), "float": (float, 0, "a number of seconds", 120)}
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}

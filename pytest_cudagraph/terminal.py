@@ -75,7 +75,8 @@ def findings_section(tr: Any, state: dict) -> None:
                 tr.write_line(f"      {line}")
     strict, by = state.get("strict_findings", 0), state.get("strict_by")
     if by == "--cudagraph-sanitize=strict":  # the tests' own failed their tests already
-        tail = f"; {by}: {strict} of them, a shared worker's found when it closed, fail the session" if strict else ""
+        tail = "" if not strict else f"; {by}: {strict} of them, found in shared workers when they closed, " + \
+            ("fails" if strict == 1 else "fail") + " the session"
     else:
         tail = "" if not strict else f"; {by}: they fail the session" if strict == len(found) \
             else f"; {by}: {strict} of them fail the session (the rest are xfailed or skipped tests')"

@@ -635,6 +635,7 @@ class ReusedWorker:
         self._lock = threading.Lock()
         self._needs_restart = False
         self._harvested: list[dict] = []  # findings of poisoned children, asked before they were replaced
+        self.findings_call: tuple = (program_findings, ())  # what asks a child for its findings
         _live.add(self)
 
     @property
@@ -758,7 +759,7 @@ class ReusedWorker:
             msg += f"\n--- last lines of the worker's stderr ---\n{tail.rstrip()}"
         return WorkerCrashed(msg, code, tail, hazards)
 
-    def _timeout_report(self, proc, during: str) -> WorkerTimeout:
+    def _timeout_report(self, proc, during: str, limit: float) -> WorkerTimeout:
         try:
             os.kill(proc.pid, signal.SIGUSR1)  # dump the hung worker's stacks before the kill
             time.sleep(0.5)
@@ -766,23 +767,26 @@ class ReusedWorker:
             pass
         tail = self.stderr_tail(60)
         return WorkerTimeout(
-            f"worker {self.name} (pid {proc.pid}) ran past the timeout of {self.timeout:g}s in {during}; "
+            f"worker {self.name} (pid {proc.pid}) ran past the timeout of {limit:g}s in {during}; "
             "the worker and everything it started were killed (its session)"
             + (f"\n--- last lines of the worker's stderr ---\n{tail.rstrip()}" if tail.strip() else "")
         )
 
     @staticmethod
-    def _during(number: int, fn) -> str:  # built only for a report
-        return f"call {number} ({getattr(fn, '__qualname__', type(fn).__name__)})"
+    def _during(number: int | None, fn) -> str:  # built only for a report
+        name = getattr(fn, "__qualname__", type(fn).__name__)
+        return f"call {number} ({name})" if number is not None else f"the plugin's call {name}"
 
-    def _exchange(self, payload: bytes, number: int, fn) -> bytes:
-        """Sends one call and returns the child's reply; raises the crash or timeout report."""
+    def _exchange(self, payload: bytes, number: int | None, fn, limit: float | None = None) -> bytes:
+        """Sends one call and returns the child's reply (waiting ``limit`` seconds, by default the worker's
+        timeout); raises the crash or timeout report."""
         proc, conn, reader = self._proc, self._conn, self._reader
         try:
             _send_message(reader.fd, payload)
         except OSError:  # BrokenPipeError included
             raise self._crash_report(proc, self._during(number, fn)) from None
-        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        limit = self.timeout if limit is None else limit
+        deadline = None if limit is None else time.monotonic() + limit
         # The wait wakes every _LIVENESS_S to see whether the child still lives, since the child's end may be
         # held open by what it started (no EOF when it dies). It is the read itself, under the socket's receive
         # timeout: with a poll before the read, a call took 1.2-1.5x as long when parent and child ran on
@@ -810,7 +814,7 @@ class ReusedWorker:
             if not proc.is_alive():
                 raise self._crash_report(proc, self._during(number, fn))
             if deadline is not None and time.monotonic() >= deadline:
-                raise self._timeout_report(proc, self._during(number, fn))
+                raise self._timeout_report(proc, self._during(number, fn), limit)
 
     def call(self, fn, *args: Any, **kwargs: Any) -> Any:
         # pickled before the start: a callable that cannot travel fails without starting a child
@@ -818,8 +822,9 @@ class ReusedWorker:
         payload = dumps_call(fn, args, kwargs, forked_main)
         with self._lock:
             if self._needs_restart:
-                self._harvest()
-                self._replace()
+                self._harvest()  # a poisoned child's Python still answers
+                if self._needs_restart:  # (a failed ask replaced it already)
+                    self._replace()
             if self._proc is None or self._proc.exitcode is not None:  # exitcode: is_alive less a getpid
                 self.start()
             if forked_main is not None and self._forked_main is not forked_main:
@@ -843,8 +848,8 @@ class ReusedWorker:
     def ask(self, fn, *args: Any, wait: float = _ASK_WAIT_S) -> tuple[bool, Any]:
         """A short call made for a report, one that never holds up a close: made only on a running child,
         when no call in another thread holds the worker for more than a second, with a deadline of its own
-        (``wait``); a child that crashes or does not answer is replaced at the next call. ``(True, value)``,
-        or ``(False, None)`` where it could not be made or failed."""
+        (``wait``, or the worker's timeout if shorter); a child that crashes or does not answer in time is
+        replaced. ``(True, value)``, or ``(False, None)`` where it could not be made or failed."""
         if not self._lock.acquire(timeout=_CLOSE_LOCK_WAIT_S):
             return False, None
         try:
@@ -856,29 +861,28 @@ class ReusedWorker:
         if not self.alive:
             return False, None
         payload = dumps_call(fn, args, {}, self._forked_main)
-        timeout, self.timeout = self.timeout, wait if self.timeout is None else min(self.timeout, wait)
-        self.calls += 1
         try:
-            reply = self._exchange(payload, self.calls, fn)
-        except BaseException as e:  # its reply may still come: this child answers no further call
-            self._needs_restart = True
+            reply = self._exchange(payload, None, fn, wait if self.timeout is None else min(self.timeout, wait))
+        except BaseException as e:  # its reply may still come: no later call may read it
+            self._replace()
+            self._needs_restart = False
             if not isinstance(e, WorkerError):
                 raise
             return False, None
-        finally:
-            self.timeout = timeout
         status, *rest = pickle.loads(reply)
         return (True, rest[0]) if status == "ok" else (False, None)
 
     def findings(self) -> list[dict]:
-        """What this worker's children's sanitizers found outside engine cycles (:func:`program_findings`):
-        the running child's, asked now (with :meth:`ask`), and those of children replaced because an error
-        poisoned them, asked before they went. A child that crashed or hung took its findings with it."""
+        """What this worker's children's sanitizers found outside engine cycles (``findings_call``, by
+        default :func:`program_findings`): the running child's, asked now as :meth:`ask` asks, and those of
+        children an error poisoned, asked before they were replaced. A child that crashed or hung took its
+        findings with it."""
+        if self._lock.acquire(timeout=_CLOSE_LOCK_WAIT_S):
+            try:
+                self._harvest()
+            finally:
+                self._lock.release()
         found, self._harvested = self._harvested, []
-        if self.sanitized():
-            tag = self._tag
-            ok, now = self.ask(program_findings)
-            found += [{**f, "worker": tag} for f in now] if ok else []
         return found
 
     def sanitized(self) -> bool:
@@ -887,10 +891,10 @@ class ReusedWorker:
         return value.strip().lower() not in ("", "0", "off", "false", "no")
 
     def _harvest(self) -> None:
-        """Before a poisoned child is replaced: its Python still answers, so keep what its sanitizer found."""
-        if self.sanitized():
-            tag = self._tag
-            ok, found = self._ask(program_findings, (), _ASK_WAIT_S)
+        """Under the lock: keep what the running child's sanitizer found, tagged with the child."""
+        if self.sanitized() and self.alive:
+            tag, (fn, args) = self._tag, self.findings_call
+            ok, found = self._ask(fn, args, _ASK_WAIT_S)
             self._harvested += [{**f, "worker": tag} for f in found] if ok else []
 
     def restart_before_next_call(self) -> None:

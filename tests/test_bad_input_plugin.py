@@ -30,7 +30,6 @@ OPTIONS = [
     ("growth cli", ["--cudagraph-max-growth=lots"], {}, "", "--cudagraph-max-growth='lots' is not a size in bytes"),
     ("growth env", [], {"CUDAGRAPH_MAX_GROWTH": "5 parsecs"}, "", "CUDAGRAPH_MAX_GROWTH='5 parsecs' is not a size"),
     ("growth ini", [], {}, "cudagraph_max_growth = -1", "ini key cudagraph_max_growth='-1' is not a size"),
-    ("growth env, the fix", [], {"CUDAGRAPH_MAX_GROWTH": "lots"}, "", "e.g. CUDAGRAPH_MAX_GROWTH=64MiB)"),
     ("growth ini, the fix", [], {}, "cudagraph_max_growth = -1", "e.g. `cudagraph_max_growth = 64MiB` in the [pytest]"),
     ("growth units", [], {"CUDAGRAPH_MAX_GROWTH": "64MB5"}, "",
      "CUDAGRAPH_MAX_GROWTH='64MB5' is not a size in bytes: give an integer, optionally with KiB, MiB or GiB (or KB, MB, "
@@ -55,6 +54,8 @@ OPTIONS = [
     ("require gpu", ["--cudagraph-require-gpu"], {}, "", "--cudagraph-require-gpu: no usable GPU is visible"),
     ("require gpu, the fix", ["--cudagraph-require-gpu"], {}, "",
      "Run on a GPU runner, or drop --cudagraph-require-gpu (on a CPU the default backend, auto, runs sim)"),
+    ("require gpu ini, the fix", [], {}, "cudagraph_require_gpu = true",
+     "Run on a GPU runner, or remove cudagraph_require_gpu from the ini file"),
     ("require gpu, devices hidden", ["--cudagraph-require-gpu"], {"CUDA_VISIBLE_DEVICES": ""}, "",
      "no GPU, or CUDA_VISIBLE_DEVICES='' hiding them). Run on a GPU runner"),
     ("require gpu and sim", ["--cudagraph-require-gpu", "--cudagraph-backend=sim"], {}, "",

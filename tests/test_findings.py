@@ -317,7 +317,7 @@ def test_findings_in_the_plugins_workers_are_reported_under_their_tests(pytester
     assert data["totals"]["sanitizer_findings"] == 2
     # under strict the shared worker's finding, found after its test ended, fails the session
     assert data["totals"]["strict_session_findings"] == (mode == "strict")
-    assert (("--cudagraph-sanitize=strict: 1 of them, a shared worker's found when it closed, fail the session"
+    assert (("--cudagraph-sanitize=strict: 1 of them, found in shared workers when they closed, fails the session"
              in res.stdout.str()) == (mode == "strict"))
 
 
@@ -396,6 +396,18 @@ def test_sequence_worker(engine_sequence):
     res = pytester.runpytest_subprocess("-p", "cudagraph", "-p", "no:cacheprovider", "--cudagraph-backend=sim")
     res.assert_outcomes(passed=1, errors=1)  # strict: the marker's mode, though the session's is on
     res.stdout.fnmatch_lines(["*pool sanitizer findings in the test's worker:*"])
+
+
+def test_the_plugins_strict_mode_leaves_the_program_wide_sanitizers_findings_to_it(pytester, monkeypatch):
+    """``--cudagraph-sanitize=strict`` fails the session on shared workers' findings, not on what the
+    program-wide ``CUDAGRAPH_SANITIZE=1`` (not strict) found in the pytest process."""
+    monkeypatch.setenv("CUDAGRAPH_SANITIZE", "1")
+    monkeypatch.setenv("CUDAGRAPH_SANITIZE_BACKEND", "sim")
+    pytester.makepyfile(test_s=SESSION_TESTS)
+    res = pytester.runpytest_subprocess("-p", "cudagraph", "-p", "no:cacheprovider", "--cudagraph-sanitize=strict")
+    res.assert_outcomes(passed=3)
+    assert res.ret == 0
+    res.stdout.fnmatch_lines(["2 sanitizer finding(s)"])
 
 
 def test_a_shared_workers_finding_alone_fails_a_strict_session(pytester):

@@ -98,13 +98,23 @@ def test_what_each_ranks_sanitizer_found_is_reported_with_its_rank(pytester):
 
         def test_pins_on_every_rank(cudagraph_mpi_ranks):
             cudagraph_mpi_ranks.call_all(pin_a_pool)
+
+        def test_pins_then_the_ranks_are_poisoned(cudagraph_mpi_ranks):
+            import os
+            before = cudagraph_mpi_ranks.call_all(os.getpid)
+            cudagraph_mpi_ranks.call_all(pin_a_pool)
+            cudagraph_mpi_ranks.restart_before_next_call()  # as after the allocator's assert
+            assert cudagraph_mpi_ranks.call_all(os.getpid) != before  # new ranks; the old ones were asked first
     ''')
     report = pytester.path / "r.json"
-    run(pytester, "--cudagraph-backend=sim", f"--cudagraph-report={report}").assert_outcomes(passed=1)
+    run(pytester, "--cudagraph-backend=sim", f"--cudagraph-report={report}").assert_outcomes(passed=2)
     found = json.loads(report.read_text())["sanitizer"]
-    assert sorted(f["rank"] for f in found) == [0, 1] and {f["kind"] for f in found} == {"pinned_pool"}, found
-    assert all(f["tests"] == ["test_r.py::test_pins_on_every_rank"] and f["sites"][0].endswith("in pin_a_pool")
-               for f in found), found
+    by_test = {}
+    for f in found:
+        assert f["kind"] == "pinned_pool" and f["sites"][0].endswith("in pin_a_pool"), f
+        by_test.setdefault(f["tests"][0].split("::")[1], []).append(f["rank"])
+    assert {t: sorted(r) for t, r in by_test.items()} == {
+        "test_pins_on_every_rank": [0, 1], "test_pins_then_the_ranks_are_poisoned": [0, 1]}, found
 
 
 @needs_mpi

@@ -97,6 +97,18 @@ def test_allocator_assert_marks_the_worker_for_replacement(worker):
     assert worker.call(bump)[1] != pid
 
 
+def test_an_ask_that_times_out_replaces_the_child_before_any_later_call():
+    """A reply that comes after its ask gave up must not answer the next call."""
+    with ReusedWorker(env={"CUDAGRAPH_SANITIZE": "on", "CUDAGRAPH_SANITIZE_BACKEND": "sim"}) as w:
+        first = w.call(os.getpid)
+        t0 = time.monotonic()
+        assert w.ask(time.sleep, 3, wait=0.5) == (False, None)
+        assert not w.alive and w.restarts == 1
+        assert w.ask(os.getpid) == (False, None)  # no child to ask: none is started for a report
+        assert w.call(os.getpid) not in (None, first) and w.call(len, "abc") == 3
+        assert time.monotonic() - t0 < 30  # the late reply was not waited for
+
+
 def test_closures_and_lambdas_travel_with_spawn():
     factor = 3
     with ReusedWorker(start_method="spawn", timeout=60) as w:
