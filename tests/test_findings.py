@@ -418,6 +418,15 @@ def test_a_shared_workers_finding_alone_fails_a_strict_session(pytester):
     assert res.ret == 1
 
 
+def test_without_the_plugin_an_xdist_worker_says_it_cannot_fail_the_run(pytester, monkeypatch):
+    monkeypatch.setenv("CUDAGRAPH_SANITIZE", "strict")
+    monkeypatch.setenv("CUDAGRAPH_SANITIZE_BACKEND", "sim")
+    pytester.makepyfile(test_s=SESSION_TESTS)
+    res = pytester.runpytest_subprocess("-p", "no:cudagraph", "-p", "no:cacheprovider", "-n", "2")
+    res.assert_outcomes(passed=3)
+    res.stderr.fnmatch_lines(["*pytest-xdist worker gw*: its exit status does not fail the run; load the plugin*"])
+
+
 def test_a_strict_session_does_not_fail_on_an_xfailed_tests_finding(pytester, monkeypatch):
     monkeypatch.setenv("CUDAGRAPH_SANITIZE", "strict")
     monkeypatch.setenv("CUDAGRAPH_SANITIZE_BACKEND", "sim")

@@ -95,6 +95,9 @@ def _report_at_exit() -> None:
     if found and san.mode == "strict":
         print(f"{_who()}: CUDAGRAPH_SANITIZE=strict and {len(found)} finding(s): exit status 1",
               file=sys.stderr)
+        if os.environ.get("PYTEST_XDIST_WORKER"):  # its status does not reach the run's
+            print(f"{_who()}: pytest-xdist worker {os.environ['PYTEST_XDIST_WORKER']}: its exit status does not "
+                  "fail the run; load the plugin (-p cudagraph) for that", file=sys.stderr)
         try:
             _flush_open_files()
         finally:  # whatever the flush met (warnings turned into errors): the status is 1
