@@ -352,6 +352,10 @@ def program_findings() -> list[dict]:
     return [{**f.as_dict(), "pid": os.getpid()} for f in san.findings() if f.engine is None]
 
 
+def _finding_key(f: dict) -> tuple:
+    return f.get("worker"), f.get("rank"), f["kind"], tuple(f["pool_id"]), f["device"]
+
+
 def _main_callables() -> dict[str, Any]:
     main = sys.modules.get("__main__")
     items = list(vars(main).items()) if main else []  # one step: another thread may bind names meanwhile
@@ -636,6 +640,7 @@ class ReusedWorker:
         self._needs_restart = False
         self._harvested: list[dict] = []  # findings of poisoned children, asked before they were replaced
         self.findings_call: tuple = (program_findings, ())  # what asks a child for its findings
+        self._reported: set[tuple] = set()  # the findings findings() returned already
         _live.add(self)
 
     @property
@@ -883,7 +888,9 @@ class ReusedWorker:
             finally:
                 self._lock.release()
         found, self._harvested = self._harvested, []
-        return found
+        new = [f for f in found if _finding_key(f) not in self._reported]  # each once, however often asked
+        self._reported.update(_finding_key(f) for f in new)
+        return new
 
     def sanitized(self) -> bool:
         """Whether the child installs a program-wide sanitizer (``CUDAGRAPH_SANITIZE``, its own or inherited)."""

@@ -109,6 +109,18 @@ def test_an_ask_that_times_out_replaces_the_child_before_any_later_call():
         assert time.monotonic() - t0 < 30  # the late reply was not waited for
 
 
+def test_a_workers_findings_are_returned_once():
+    import test_findings
+
+    env = {"CUDAGRAPH_SANITIZE": "on", "CUDAGRAPH_SANITIZE_BACKEND": "sim"}
+    with ReusedWorker(env=env) as w:
+        assert w.findings() == []  # no child yet: none is started to be asked
+        w.call(exec, test_findings.SESSION_TESTS + "\npin_a_pool()\n", {"__name__": "user"})
+        (f,) = w.findings()
+        assert f["kind"] == "pinned_pool" and f["worker"] and f["pid"] == w.pid
+        assert w.findings() == []  # asked again: already returned
+
+
 def test_closures_and_lambdas_travel_with_spawn():
     factor = 3
     with ReusedWorker(start_method="spawn", timeout=60) as w:
