@@ -464,9 +464,14 @@ def s_capture_on_default_stream(c: Ctx) -> str:
     return _capture_on_current_stream(c)
 
 
+def s_default_stream_capture_poisons_random(c: Ctx) -> str:
+    """A capture refused for the default stream leaves the RNG's capture open: eager random ops fail after."""
+    return f"{_capture_on_current_stream(c)}, then random: {attempt(c.tensor)}"
+
+
 def s_current_stream_is_per_thread(c: Ctx) -> str:
     """A side stream made current in one thread is not current in another: there a capture is on the
-    default stream."""
+    default stream (last: that refusal poisons random ops)."""
     other: list[str] = []
 
     def in_other_thread() -> None:
@@ -476,11 +481,11 @@ def s_current_stream_is_per_thread(c: Ctx) -> str:
             other.append(f"error:{type(e).__name__}")
 
     with c.be.stream(c.stream):
+        here = _capture_on_current_stream(c)
         t = threading.Thread(target=in_other_thread)
         t.start()
         t.join()
-        here = _capture_on_current_stream(c)
-    return f"other thread: {other[0]}, this thread: {here}"
+    return f"this thread: {here}, other thread: {other[0]}"
 
 
 def s_shared_pool_largest_first_smaller(c: Ctx) -> str:
@@ -769,8 +774,10 @@ SCENARIOS: list[Scenario] = [
     Scenario("reset_twice_is_noop", s_reset_twice_is_noop, "1"),
     Scenario("replay_after_reset", s_replay_after_reset, "replay-without-capture"),
     Scenario("capture_on_default_stream", s_capture_on_default_stream, "default-stream"),
+    Scenario("default_stream_capture_poisons_random", s_default_stream_capture_poisons_random,
+             "default-stream, then random: poisoned"),
     Scenario("current_stream_is_per_thread", s_current_stream_is_per_thread,
-             "other thread: default-stream, this thread: ok"),
+             "this thread: ok, other thread: default-stream"),
     Scenario("shared_pool_largest_first_smaller", s_shared_pool_largest_first_smaller, "largest-first<=smallest-first: True"),
     Scenario("separate_pools_not_smaller", s_separate_pools_not_smaller, "shared=2MiB separate=8MiB"),
     Scenario("host_sync_in_capture", s_host_sync_in_capture, "capture-invalidated then poisoned, use_count=2"),

@@ -295,6 +295,9 @@ class SimGraph:
         be._collect_now()
         stream = be._current_stream
         if stream.default:
+            # torch opens the RNG's capture before it checks the stream, and leaves it open: eager random ops
+            # fail from then on (measured on the H200, docs/gpu-results/2026-12-04-run11)
+            be.poisoned = POISON_MESSAGE
             raise RuntimeError(DEFAULT_STREAM_MESSAGE)
         if be._capturing is not None:
             raise RuntimeError("Cannot begin a capture while another capture is underway (simulated)")
