@@ -17,6 +17,8 @@ from typing import Any
 
 import pytest
 
+from .worker import finding_key
+
 CYCLES = "cudagraph_cycles"  # user property: the test's engine cycles, as JSON
 FINDINGS = "cudagraph_findings"  # user property: the in-process sanitizer's findings
 STRICT_FAILURE = "cudagraph_strict_failure"  # user property: strict findings failed the test
@@ -34,12 +36,8 @@ def add_session_findings(state: dict, found: list[dict]) -> None:
     less those a test already reported (the test's own sanitizer saw the same pool in the same process: pool
     ids are unique only within one, so a finding names its process by pid, and a worker's also by the
     worker's child, pids being reused)."""
-    seen = {_key(f) for _, f in findings(state, session=False)}
-    state["session_findings"] += [f for f in found if _key(f) not in seen]
-
-
-def _key(f: dict) -> tuple:
-    return f.get("pid"), f.get("worker"), f["kind"], tuple(f["pool_id"]), f["device"]
+    seen = {finding_key(f) for _, f in findings(state, session=False)}
+    state["session_findings"] += [f for f in found if finding_key(f) not in seen]
 
 
 def findings(state: dict, session: bool = True) -> list[tuple[str, dict]]:

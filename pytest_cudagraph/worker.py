@@ -34,6 +34,8 @@ import warnings
 import weakref
 from typing import Any
 
+from cudagraph_lifecycle.choices import SANITIZE_ENV_OFF
+
 
 def _cloudpickle():
     """cloudpickle, imported at the first call into a worker: a session that starts none never pays for it."""
@@ -352,8 +354,10 @@ def program_findings() -> list[dict]:
     return [{**f.as_dict(), "pid": os.getpid()} for f in san.findings() if f.engine is None]
 
 
-def _finding_key(f: dict) -> tuple:
-    return f.get("worker"), f.get("rank"), f["kind"], tuple(f["pool_id"]), f["device"]
+def finding_key(f: dict) -> tuple:
+    """What tells two findings apart across processes: pool ids are unique only within one (pid), pids are
+    reused (the worker's child), and MPI ranks share a worker."""
+    return f.get("pid"), f.get("worker"), f.get("rank"), f["kind"], tuple(f["pool_id"]), f["device"]
 
 
 def _main_callables() -> dict[str, Any]:
@@ -888,14 +892,14 @@ class ReusedWorker:
             finally:
                 self._lock.release()
         found, self._harvested = self._harvested, []
-        new = [f for f in found if _finding_key(f) not in self._reported]  # each once, however often asked
-        self._reported.update(_finding_key(f) for f in new)
+        new = [f for f in found if finding_key(f) not in self._reported]  # each once, however often asked
+        self._reported.update(finding_key(f) for f in new)
         return new
 
     def sanitized(self) -> bool:
         """Whether the child installs a program-wide sanitizer (``CUDAGRAPH_SANITIZE``, its own or inherited)."""
         value = self.env.get("CUDAGRAPH_SANITIZE", os.environ.get("CUDAGRAPH_SANITIZE", ""))
-        return value.strip().lower() not in ("", "0", "off", "false", "no")
+        return value.strip().lower() not in SANITIZE_ENV_OFF
 
     def _harvest(self) -> None:
         """Under the lock: keep what the running child's sanitizer found, tagged with the child."""

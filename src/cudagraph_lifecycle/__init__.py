@@ -13,6 +13,7 @@ import importlib
 import os
 import sys
 
+from .choices import SANITIZE_ENV_OFF
 from .errors import (
     BackendUnavailableError,
     ConfigError,
@@ -82,7 +83,7 @@ def _run_as_sanitizer_command(argv: list[str] | None = None) -> bool:
     return False
 
 
-if os.environ.get("CUDAGRAPH_SANITIZE", "").strip().lower() not in ("", "0", "off", "false", "no") \
+if os.environ.get("CUDAGRAPH_SANITIZE", "").strip().lower() not in SANITIZE_ENV_OFF \
         and not _run_as_sanitizer_command():
     from .sanitizer import install_from_env as _install
 

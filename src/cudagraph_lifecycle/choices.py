@@ -9,3 +9,5 @@ POOL_MODES = ("auto", "mempool", "handle")
 # what the sanitizer does with the reset of a pool's last graph while blocks of it live, under
 # expandable_segments:True (a crash once those blocks are freed): refuse it, or only report it
 EXPANDABLE_TEARDOWN = ("refuse", "report")
+# CUDAGRAPH_SANITIZE values that install no program-wide sanitizer
+SANITIZE_ENV_OFF = ("", "0", "off", "false", "no")

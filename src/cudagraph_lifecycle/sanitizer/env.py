@@ -8,14 +8,14 @@ import sys
 from typing import TextIO
 
 from ..backends import get_backend
-from ..choices import EXPANDABLE_TEARDOWN
+from ..choices import EXPANDABLE_TEARDOWN, SANITIZE_ENV_OFF
 from ..errors import BackendUnavailableError, ConfigError
 from .pool_sanitizer import PoolSanitizer
 
 _global: PoolSanitizer | None = None
 _exit_report = False  # whether the package's import asked for a report at the process's exit
 _taken = False  # a reporter (the pytest plugin) took the findings: nothing is printed at exit
-OFF = ("", "0", "off", "false", "no")  # (the package's import repeats these: it must not import this module)
+OFF = SANITIZE_ENV_OFF
 _ON = ("1", "on", "true", "yes")
 
 
