@@ -63,11 +63,13 @@ def findings_section(tr: Any, state: dict) -> None:
     for nodeid, f in found:
         made = f" (made by {f['engine']})" if f.get("engine") and not f["engine"].startswith(nodeid) else ""
         rank = f" of rank {f['rank']}" if f.get("rank") is not None else ""
-        tr.write_line(f"{nodeid}: {f['kind']}: pool {tuple(f['pool_id'])} on device {f['device']}{rank}, "
-                      f"{_mib(f['bytes'])}{made}")
+        began = f["kind"] == "default_stream_capture"  # a capture that never happened: no pool, no bytes
+        what = f"device {f['device']}{rank}" if began else \
+            f"pool {tuple(f['pool_id'])} on device {f['device']}{rank}, {_mib(f['bytes'])}"
+        tr.write_line(f"{nodeid}: {f['kind']}: {what}{made}")
         tr.write_line(f"    {f['message']}")
         for site in f.get("sites") or []:
-            tr.write_line(f"    captured at {site}")
+            tr.write_line(f"    {'began' if began else 'captured'} at {site}")
         for other in (f.get("tests") or [])[1:]:
             tr.write_line(f"    also captured into by {other}")
         for stack in f.get("stacks") or []:

@@ -155,7 +155,10 @@ def _set_receive_timeout(fd: int, seconds: float) -> bool:
 
 
 START_METHODS = ("auto", "fork", "spawn", "forkserver")
-_POISON_MARKERS = ("INTERNAL ASSERT FAILED", "Offset increment outside graph capture")
+# the allocator's assert, torch's refusal of a capture on the default stream (it leaves the RNG's capture open),
+# and what random ops raise after either
+_POISON_MARKERS = ("INTERNAL ASSERT FAILED", "Offset increment outside graph capture", "captured on a non-default stream")
+_PREVENTED = ("StalePoolError", "DefaultStreamCaptureError")  # they quote what they stopped: that process is fine
 _CAUSE = re.compile(r"terminate called|terminating due to|what\(\)|Fatal Python error|INTERNAL ASSERT|"
                     r"Error:|Exception|Segmentation fault|Aborted|died during the call")
 
@@ -190,8 +193,7 @@ class RemoteError(WorkerError):
 
     @property
     def poisons_process(self) -> bool:
-        # A StalePoolError quotes the assert it prevented: that process is fine.
-        return self.type_name != "StalePoolError" and any(m in self.remote_message for m in _POISON_MARKERS)
+        return self.type_name not in _PREVENTED and any(m in self.remote_message for m in _POISON_MARKERS)
 
 
 class UnpicklableCallableError(WorkerError, TypeError):

@@ -464,3 +464,82 @@ def test_an_unreadable_autograd_graph_is_blamed_only_for_what_nothing_else_expla
     (pin,) = what_pins(be, [key])
     assert pin.cause == "library_workspace", pin
     assert kept
+
+
+class DefaultStreamEngine:
+    """Captures with raw capture_begin and forgets the side stream: torch refuses it, after opening the RNG's
+    capture."""
+
+    def __init__(self, be):
+        self.be, self.w, self.g = be, be.randn(8), None
+
+    def capture(self):
+        self.g = self.be.new_graph()
+        self.g.capture_begin(pool=self.be.graph_pool_handle())  # no `with stream(...)`
+        self.y = self.w * 2
+        self.g.capture_end()
+
+    def run(self, x):
+        return x * self.w
+
+    def release(self):
+        self.g = None
+
+
+@pytest.mark.parametrize("sanitized", [False, True])
+def test_an_engine_capturing_on_the_default_stream(sanitized):
+    """Unjudged, torch's refusal poisons random ops: the cycle says so and marks the process poisoned (a worker
+    is replaced). Under a sanitizer the capture is refused first: an error naming the line, the process fine."""
+    from cudagraph_lifecycle.cycle import run_cycle
+
+    be = SimBackend()
+    if sanitized:
+        _STARTED.append(PoolSanitizer(be).start())
+    (rec,) = run_cycle(DefaultStreamEngine, be, 0, test="t")
+    (p,) = rec["problems"]
+    assert rec["verdict"] == "error" and rec["failed"] and p["kind"] == "error"
+    assert "side stream" in p["message"] and rec["poisoned"] is not sanitized
+    if sanitized:
+        assert p["message"].startswith("DefaultStreamCaptureError during capture") and "in capture" in p["message"]
+        assert be.randn(2).numel() == 2
+    else:
+        assert "every later eager random op" in p["message"]
+        with pytest.raises(RuntimeError, match="Offset increment"):
+            be.randn(2)
+
+
+FALLS_BACK_TO_EAGER = """
+import pytest
+from cudagraph_lifecycle import get_backend
+
+
+def try_to_capture(be, g):
+    g.capture_begin()  # no side stream
+
+
+@pytest.mark.cudagraph
+def test_engine_falls_back_to_eager():
+    be = get_backend("sim")
+    try:
+        try_to_capture(be, be.new_graph())
+    except RuntimeError:
+        pass  # an engine that runs eagerly when a capture fails: the error never reaches the test
+    assert be.randn(4).numel() == 4
+"""
+
+
+@pytest.mark.parametrize("mode, outcome", [("on", {"passed": 1}), ("strict", {"passed": 1, "errors": 1})])
+def test_a_swallowed_default_stream_capture_is_still_a_finding(pytester, mode, outcome):
+    """An engine that catches the capture's error and runs eagerly hides it from the test: the finding still
+    names the test and the line, and fails it under strict."""
+    pytester.makepyfile(test_eager=FALLS_BACK_TO_EAGER)
+    report = pytester.path / "r.json"
+    res = pytester.runpytest_subprocess("-p", "cudagraph", "-p", "no:cacheprovider", "--cudagraph-backend=sim",
+                                        f"--cudagraph-sanitize={mode}", f"--cudagraph-report={report}")
+    res.assert_outcomes(**outcome)
+    (t,) = json.loads(report.read_text())["tests"]
+    (f,) = t["sanitizer"]
+    assert f["kind"] == "default_stream_capture" and f["tests"] == ["test_eager.py::test_engine_falls_back_to_eager"]
+    assert f["sites"][0].endswith("test_eager.py:6 in try_to_capture") and "refused before torch ran it" in f["message"]
+    res.stdout.fnmatch_lines(["test_eager.py::test_engine_falls_back_to_eager: default_stream_capture: device 0",
+                              "*began at *test_eager.py:6 in try_to_capture"])

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from cudagraph_lifecycle import CUDAGraphRunner, LazyPool, PoolSanitizer, StalePoolError
+from cudagraph_lifecycle import CUDAGraphRunner, DefaultStreamCaptureError, LazyPool, PoolSanitizer, StalePoolError
 from cudagraph_lifecycle.backends.sim import SimBackend, SimGraph
 from cudagraph_lifecycle.conformance import Ctx
 from cudagraph_lifecycle.ledger import ledger
@@ -408,3 +408,47 @@ def test_sanitizer_forgets_destroyed_graphs(sim):
     assert len(mine) == 1 and len([g for g in ledger.graphs.values() if g.world == be.world]) == 1
     del keep, y
     assert ledger.live_graphs(be.world) == [] and san.findings() == []
+
+
+def begin_on_the_default_stream(g, pool):
+    g.capture_begin(pool=pool)
+
+
+def test_a_capture_on_the_default_stream_is_refused_before_it_poisons_random_ops(sim):
+    """torch refuses a capture on the default stream only after opening the RNG's capture, which poisons every
+    later eager random op (measured on the H200): the sanitizer refuses it first, names the line, and the
+    process goes on."""
+    be, san, c = sim
+    h = be.graph_pool_handle()
+    with pytest.raises(DefaultStreamCaptureError, match="must be captured on a non-default stream") as e:
+        begin_on_the_default_stream(be.new_graph(), h)
+    assert "test_sanitizer.py" in e.value.site and "begin_on_the_default_stream" in e.value.site
+    assert "side stream" in str(e.value) and "NOT begun" in str(e.value)
+    assert be.poisoned is None and be.randn(4).numel() == 4  # random ops still work
+    (f,) = san.findings()
+    assert f.kind == "default_stream_capture" and f.sites == (e.value.site,) and f.pool_id == tuple(h)
+    assert "refused before torch ran it" in f.message
+    with be.stream(be.new_stream()):  # on a side stream the same capture is fine, and so is the pool
+        c.step(be.new_graph(), h)
+    g = be.new_graph()
+    with be.graph(g):  # torch.cuda.graph's own stream
+        be.randn(2) * 2
+    g.reset()
+    assert [x.kind for x in san.findings()] == ["default_stream_capture"]
+
+
+def test_without_a_judge_the_default_stream_refusal_is_recorded_as_poisoning():
+    """Observed but not judged (no sanitizer for this world): torch's own refusal runs, random ops are poisoned,
+    and the ledger says where; a sanitizer of another world does not judge it."""
+    be, other = SimBackend(), SimBackend()
+    with PoolSanitizer(other) as san:
+        with pytest.raises(RuntimeError, match="must be captured on a non-default stream") as e:
+            begin_on_the_default_stream(be.new_graph(), None)
+        assert not isinstance(e.value, DefaultStreamCaptureError) and san.findings() == []
+        with pytest.raises(RuntimeError, match="Offset increment"):
+            be.randn(4)
+        event = ledger.default_stream[-1]
+        assert event.key == (be.world, 0) and not event.refused and event.pool_id is None
+        assert "begin_on_the_default_stream" in event.site
+        (f,) = PoolSanitizer(be).findings()  # a sanitizer of its world reports it (the findings read the ledger)
+        assert f.kind == "default_stream_capture" and "every later eager random op" in f.message

@@ -37,6 +37,21 @@ def fake_allocator_assert():
     raise RuntimeError('it->second->use_count > 0 INTERNAL ASSERT FAILED at "CUDACachingAllocator.cpp"')
 
 
+def capture_on_the_default_stream(sanitize):
+    from cudagraph_lifecycle import PoolSanitizer, get_backend
+
+    be = get_backend("sim")
+    if sanitize:
+        PoolSanitizer(be).start()  # for the rest of this child's life
+    be.new_graph().capture_begin()
+
+
+def sim_random():
+    from cudagraph_lifecycle import get_backend
+
+    return get_backend("sim").randn(2).numel(), os.getpid()
+
+
 @pytest.fixture
 def worker():
     w = ReusedWorker(start_method="fork", timeout=30)
@@ -95,6 +110,16 @@ def test_allocator_assert_marks_the_worker_for_replacement(worker):
         worker.call(fake_allocator_assert)
     assert e.value.poisons_process
     assert worker.call(bump)[1] != pid
+
+
+@pytest.mark.parametrize("sanitize", [False, True])
+def test_a_capture_on_the_default_stream_replaces_the_worker_unless_the_sanitizer_refused_it(worker, sanitize):
+    pid = worker.start().pid
+    with pytest.raises(RemoteError, match="must be captured on a non-default stream") as e:
+        worker.call(capture_on_the_default_stream, sanitize)
+    assert e.value.poisons_process is not sanitize
+    assert e.value.type_name == ("DefaultStreamCaptureError" if sanitize else "RuntimeError")
+    assert worker.call(sim_random) == (2, pid) if sanitize else worker.call(sim_random)[1] != pid
 
 
 def test_an_ask_that_times_out_replaces_the_child_before_any_later_call():

@@ -34,6 +34,14 @@ class StalePoolError(CudaGraphLifecycleError):
     """
 
 
+class DefaultStreamCaptureError(CudaGraphLifecycleError):
+    """A capture would begin on its device's default stream (raised by the sanitizer before torch runs it).
+
+    torch refuses such a capture, but only after opening the CUDA RNG's capture, which it leaves open: every
+    later eager random op of the process would fail.
+    """
+
+
 class PoolNotReleasedError(CudaGraphLifecycleError, AssertionError):
     """A released pool still holds graphs or memory (raised by the fresh-pool checks)."""
 
@@ -54,5 +62,5 @@ class CapturedAddressError(CudaGraphLifecycleError):
 
 class ExpandableSegmentsHazardError(CudaGraphLifecycleError):
     """With ``expandable_segments:True``, the last graph of a pool would be reset while blocks allocated in its
-    captures are alive (raised by the strict sanitizer). TensorRT-LLM reports that freeing such blocks after the
-    teardown crashes the process; with torch 2.11 on the H200 no such sequence crashed (docs/gpu-results)."""
+    captures are alive (raised by the sanitizer unless ``expandable_teardown="report"``, by the strict one always).
+    Freeing such blocks after the teardown crashed torch 2.11 on the H200 (docs/gpu-results)."""

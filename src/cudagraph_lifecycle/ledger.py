@@ -300,6 +300,22 @@ class TeardownHazard:
 
 
 @dataclass(frozen=True)
+class DefaultStreamCapture:
+    """A capture begun on its device's default stream. torch refuses it, but only after opening the CUDA RNG's
+    capture, which it leaves open: every later eager random op of the process fails (measured on the H200).
+    ``refused``: a judge stopped it before torch ran, so the process is fine."""
+
+    key: tuple  # (allocator world, device)
+    scope: str | None
+    seq: int
+    test: str | None
+    at: str  # the stack, as shown
+    site: str  # file:line in function of the user's code that began the capture
+    pool_id: PoolId | None  # the pool it asked for, if any
+    refused: bool
+
+
+@dataclass(frozen=True)
 class StaleAttempt:
     """A capture (or allocation) into a dead pool, seen before the allocator ran it."""
 
@@ -335,6 +351,7 @@ class Ledger:
         self.replays_by_scope: dict[str, int] = {}  # replays of the scope's graphs that are gone
         self.unreplayed_by_scope: dict[str, int] = {}  # the scope's graphs that went without one replay
         self.hazards: deque[TeardownHazard] = deque(maxlen=256)
+        self.default_stream: deque[DefaultStreamCapture] = deque(maxlen=256)
         # scopes under a pool-bytes budget -> the most bytes their pools were seen to hold together: an
         # allocator frees a dead pool's segments only at a cache flush, so a read before each flush and one
         # at the end give the peak
@@ -365,7 +382,7 @@ class Ledger:
             container.clear()
         self.retired.clear()
         for counts in (self.captures_by_scope, self.replays_by_scope, self.unreplayed_by_scope, self.hazards,
-                       self.peak_bytes, self.unsettled, self.flushes, self.unflushed):
+                       self.default_stream, self.peak_bytes, self.unsettled, self.flushes, self.unflushed):
             counts.clear()
         self.scope = self.test = None
         self.generation += 1

@@ -71,7 +71,9 @@ class GraphAPI:
     * ``graph_cls``: the class whose ``capture_begin``, ``capture_end`` and ``reset`` are wrapped;
       ``graph_backend(graph)`` and ``capture_device(graph)`` read a graph's world and the device it captures on
       (``current_device()``, where given, reads the latter without a Python call, and ``process_cls._process``,
-      where given and set, the former: captures are timed).
+      where given and set, the former: captures are timed). ``on_default_stream(graph)``: whether a capture
+      begun now would be on its device's default stream, which torch refuses only after opening the CUDA RNG's
+      capture (every later eager random op then fails), so a judge can refuse it first.
     * ``handles``: functions returning a new pool id; ``parse(args, kwargs, result) -> (backend, pool_id)``.
     * ``mempool_cls`` and ``mempool_parse(mp) -> (backend, device, pool_id)``: pool objects that hold a device
       reference of their own while alive.
@@ -87,6 +89,7 @@ class GraphAPI:
     capture_device: Callable[[Any], int]
     current_device: Callable[[], int] | None = None
     process_cls: type | None = None  # one world per process: every graph's backend is this class's ``_process``
+    on_default_stream: Callable[[Any], bool] | None = None
     handles: tuple[Hook, ...] = ()
     mempool_cls: type | None = None
     mempool_parse: Callable[[Any], tuple] | None = None

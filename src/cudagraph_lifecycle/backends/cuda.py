@@ -276,6 +276,18 @@ class CudaBackend(Backend):
         def capture_device(_graph: Any) -> int:
             return reader() if reader is not None else torch.cuda.current_device()
 
+        current_stream, default_stream = _private("_cuda_getCurrentStream"), _private("_cuda_getDefaultStream")
+        defaults: dict[int, int] = {}  # device -> its default stream's id (it never changes)
+
+        def on_default_stream(graph: Any) -> bool:
+            if current_stream is None or default_stream is None:
+                return torch.cuda.current_stream() == torch.cuda.default_stream()
+            device = capture_device(graph)
+            default = defaults.get(device)
+            if default is None:
+                default = defaults[device] = default_stream(device)[0]
+            return current_stream(device)[0] == default
+
         def handle(args, kwargs, result):
             return cls.process(), tuple(result)
 
@@ -300,6 +312,7 @@ class CudaBackend(Backend):
             capture_device=capture_device,
             current_device=reader,
             process_cls=cls,
+            on_default_stream=on_default_stream,
             handles=tuple(owners),
             mempool_cls=getattr(torch.cuda, "MemPool", None),
             mempool_parse=mempool,

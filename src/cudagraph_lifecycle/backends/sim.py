@@ -758,6 +758,7 @@ class SimBackend(Backend):
             graph_cls=SimGraph,
             graph_backend=operator.attrgetter("_backend"),  # no Python frame: captures are timed
             capture_device=lambda g: g._backend._current_stream.device,
+            on_default_stream=lambda g: g._backend._current_stream.default,
             handles=((cls, "graph_pool_handle", lambda a, k, result: (mine(a), result)),),
             mempool_cls=SimMemPool,
             mempool_parse=lambda mp: (mp._backend, mp.device, tuple(mp.id)),

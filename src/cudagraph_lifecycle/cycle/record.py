@@ -62,7 +62,8 @@ class CycleRecord:
     leaked_bytes: int = 0
     growth_bytes: int = 0  # what the engine left in the default pool: its growth from before the build, >= 0
     freed_earlier_bytes: int = 0  # default-pool bytes from before the engine that went during it
-    poisoned: bool = False  # the allocator asserted: this process cannot use CUDA any more
+    # the allocator asserted, or torch refused a capture on the default stream: this process is of no more use
+    poisoned: bool = False
     problems: list[Problem] = field(default_factory=list)
     sanitizer: list[dict] = field(default_factory=list)
 

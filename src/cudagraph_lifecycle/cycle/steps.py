@@ -18,6 +18,7 @@ from ..backends import Backend
 from ..errors import (
     CapturedAddressError,
     ConfigError,
+    DefaultStreamCaptureError,
     ExpandableSegmentsHazardError,
     OverwrittenOutputError,
     ReplayCheckError,
@@ -25,12 +26,14 @@ from ..errors import (
 )
 from ..ledger import Key, ledger
 from ..sanitizer.pins import describe, what_pins
+from ..sanitizer.stale import SIDE_STREAM_FIX
 from ..trees import leaves
 from .caller import Caller, caller_copy
 from .engine import Engine
 from .record import CycleRecord
 
 ASSERT_MARKERS = ("use_count > 0", "INTERNAL ASSERT FAILED")
+DEFAULT_STREAM_MARKER = "captured on a non-default stream"  # torch's refusal, which poisons random ops
 _CHECK_ERRORS = ((ReplayCheckError, "replay_check"), (OverwrittenOutputError, "replay_check"),
                  (CapturedAddressError, "captured_address"), (ExpandableSegmentsHazardError, "expandable_teardown"))
 
@@ -120,13 +123,20 @@ def max_abs_err(a: Any, b: Any) -> float:
 
 def failed(e: BaseException, rec: CycleRecord, be: Backend, since: int, step: str) -> None:
     """An engine step raised: a capture into a dead pool is ``stale`` (named from the ledger), the rest
-    ``error``. The allocator's own assert poisons the process."""
+    ``error``. The allocator's own assert poisons the process, and so does torch's refusal of a capture on the
+    default stream."""
     first = (str(e).strip().splitlines() or [type(e).__name__])[0]
     attempts = ledger.stale_since(since, be.world)
     asserted = not isinstance(e, StalePoolError) and any(m in str(e) for m in ASSERT_MARKERS)
     kind = next((k for cls, k in _CHECK_ERRORS if isinstance(e, cls)), None)
     if kind is not None:
         rec.add(kind, f"{type(e).__name__}: {e}")
+        return
+    if DEFAULT_STREAM_MARKER in str(e) and not isinstance(e, DefaultStreamCaptureError):
+        rec.poisoned = True
+        rec.add("error", f"{type(e).__name__} during {step}: {first} -- torch refused a capture on the default "
+                "stream after opening the CUDA RNG's capture, so every later eager random op of this process fails "
+                f"(run the sanitizer to refuse it first). {SIDE_STREAM_FIX}")
         return
     if isinstance(e, StalePoolError) or asserted:
         a = attempts[-1] if attempts else None

@@ -16,7 +16,7 @@ from typing import Any
 
 from ..backends.base import Backend, GraphAPI
 from ..ledger import CAPTURE_STACK_DEPTH as _DEPTH
-from ..ledger import GraphEntry, Ledger, Stack, TeardownHazard
+from ..ledger import DefaultStreamCapture, GraphEntry, Ledger, Stack, TeardownHazard
 
 TAG = "_cudagraph_ledger_entry"  # where a graph carries its ledger entry
 
@@ -82,6 +82,19 @@ class Hooks:
         if rules:
             rules[-1](hazard)
 
+    def default_stream(self, be: Backend, device: int, pool: tuple | None, judged: bool) -> None:
+        """A capture begun on its device's default stream. ``judged``: before the original, where a judge rules
+        (it refuses: torch would refuse too, after opening the CUDA RNG's capture, which poisons every later
+        eager random op); otherwise after torch refused it, the process's random ops already poisoned."""
+        led = self.ledger
+        where = Stack.here(2)
+        event = DefaultStreamCapture((be.world, device), led.scope, led.next_seq(), led.test, str(where),
+                                     where.site(), pool, judged)
+        with led.lock:
+            led.default_stream.append(event)
+        if judged:
+            self.judges[be.world][-1](event)
+
     def register(self, g: GraphEntry, old: GraphEntry | None) -> None:
         """Count a capture the capture path only queued (applied at the ledger's next operation, under its lock,
         before the graph's destruction if that came later: the weak reference's event drains the queue first)."""
@@ -146,6 +159,7 @@ def recorder(hooks: Hooks) -> Callable[..., GraphEntry]:
 def capture_begin(api: GraphAPI, hooks: Hooks, original, record: Callable[..., GraphEntry]):
     backend_of, device_of, current_device, proc = api.graph_backend, api.capture_device, api.current_device, \
         api.process_cls
+    on_default, judges = api.on_default_stream, hooks.judges
     led = hooks.ledger
     pending_keys, dead, dead_ids = led.pending_keys, led.dead, led.dead.ids
     getframe, more, depth = sys._getframe, range(_DEPTH - 1), _DEPTH
@@ -176,7 +190,16 @@ def capture_begin(api: GraphAPI, hooks: Hooks, original, record: Callable[..., G
                         led.drain()
                 if key in dead:
                     hooks.judge(*key)
-        original(graph, given, *args, **kwargs)
+        # where a judge rules, a capture on the default stream is refused before torch poisons random ops
+        judged = judges and on_default is not None and judges.get(be.world) and on_default(graph)
+        if judged:
+            hooks.default_stream(be, device_of(graph), pool, judged=True)
+        try:
+            original(graph, given, *args, **kwargs)
+        except BaseException:
+            if not judged and on_default is not None and on_default(graph):
+                hooks.default_stream(be, device_of(graph), pool, judged=False)
+            raise
         if device is None:  # read after the original, which leaves what it reads warm
             device = current_device() if current_device is not None else device_of(graph)
         f = getframe(1)  # the stack as Stack keeps it, built inline into one list of its final size

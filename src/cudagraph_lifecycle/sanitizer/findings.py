@@ -1,6 +1,6 @@
 """Findings about graph pools, read from the ledger: graphs never reset, released pools whose bytes a live
-tensor pins, pools that hold references with no live graph, and pools torn down with live blocks under
-expandable segments. Each names where it came from: the user's lines that captured into the pool
+tensor pins, pools that hold references with no live graph, pools torn down with live blocks under
+expandable segments, and captures begun on the default stream (refused, or poisoning the process's random ops). Each names where it came from: the user's lines that captured into the pool
 (``sites``), the tests that did (``tests``, when the pytest plugin is loaded) and the engine whose capture
 made it."""
 
@@ -11,8 +11,10 @@ from typing import Any
 
 from ..backends import Backend, PoolId
 from ..ledger import ledger
+from .stale import SIDE_STREAM_FIX
 
-FINDING_KINDS = ("unreleased_graph", "pinned_pool", "pool_never_retired", "expandable_teardown")
+FINDING_KINDS = ("unreleased_graph", "pinned_pool", "pool_never_retired", "expandable_teardown",
+                 "default_stream_capture")
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,16 @@ def collect(backend: Backend, since: int = 0, scope: str | None = None) -> list[
                 f"{h.live_bytes} bytes of it were alive, under expandable_segments:True: freeing them after the "
                 "pool's teardown can crash the process (SIGSEGV)",
                 h.stacks or (h.reset_at,), h.owner, h.sites, tuple(t for t in (h.test,) if t)))
+    for d in list(ledger.default_stream):
+        if d.key[0] == world and d.seq > since and (scope is None or d.scope == scope):
+            what = ("refused before torch ran it" if d.refused else
+                    "torch refused it and every later eager random op of this process fails ('Offset increment "
+                    "outside graph capture'): only a new process recovers")
+            out.append(Finding(
+                "default_stream_capture", d.pool_id or (0, 0), d.key[1], 0,
+                f"a capture began on the default stream of device {d.key[1]} at {d.site or '(unknown)'}: {what}. "
+                f"{SIDE_STREAM_FIX}", (d.at,), d.scope, (d.site,) if d.site else (),
+                tuple(t for t in (d.test,) if t)))
     for g in ledger.live_graphs(world):
         if g.seq > since and (scope is None or g.scope == scope):
             out.append(Finding(

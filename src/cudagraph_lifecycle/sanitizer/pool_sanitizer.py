@@ -3,7 +3,9 @@
 While started it holds the observation layer (so ``torch.cuda.graph``, ``make_graphed_callables``,
 ``torch.compile(mode="reduce-overhead")`` and hand-written captures are all watched) and registers a judge
 for its world: a capture into a *dead* pool raises :class:`StalePoolError` before the real ``capture_begin``
-runs, so the process stays usable. Dead means, per the measured rules (conformance table): all its graphs
+runs, so the process stays usable; so does a capture begun on the default stream
+(:class:`DefaultStreamCaptureError`: torch refuses it only after opening the CUDA RNG's capture, which leaves
+every later eager random op failing). Dead means, per the measured rules (conformance table): all its graphs
 were released and either the device allocator still holds the pool (a live block pins it, or
 ``empty_cache`` has not run) or the host allocator's ledger still has the id (``_host_emptyCache`` has not
 run).
@@ -25,9 +27,9 @@ from ..backends import Backend, PoolId, get_backend
 from ..checks import mode as checked_mode
 from ..choices import EXPANDABLE_TEARDOWN, SANITIZE_MODES
 from ..errors import ConfigError
-from ..ledger import StaleAttempt, TeardownHazard, ledger
+from ..ledger import DefaultStreamCapture, StaleAttempt, TeardownHazard, ledger
 from .findings import Finding, collect
-from .stale import hazard_error, stale_error
+from .stale import default_stream_error, hazard_error, stale_error
 
 
 class PoolSanitizer:
@@ -59,7 +61,9 @@ class PoolSanitizer:
         self._since = 0
         self._stale_seen = 0
 
-    def _judge(self, event: StaleAttempt | TeardownHazard) -> None:
+    def _judge(self, event: StaleAttempt | TeardownHazard | DefaultStreamCapture) -> None:
+        if isinstance(event, DefaultStreamCapture):  # torch would raise anyway, and poison random ops first
+            raise default_stream_error(event)
         if isinstance(event, TeardownHazard):
             if self.mode == "strict" or self.expandable_teardown == "refuse":
                 raise hazard_error(event, self.mode)

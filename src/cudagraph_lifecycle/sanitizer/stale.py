@@ -1,11 +1,14 @@
-"""The judgments that raise before the allocator acts: a capture into a dead pool, and (under expandable
-segments) the reset of a pool's last graph while blocks of it are alive."""
+"""The judgments that raise before torch acts: a capture into a dead pool, a capture on the default stream,
+and (under expandable segments) the reset of a pool's last graph while blocks of it are alive."""
 
 from __future__ import annotations
 
 from ..backends import Backend
-from ..errors import ExpandableSegmentsHazardError, StalePoolError
-from ..ledger import StaleAttempt, TeardownHazard
+from ..errors import DefaultStreamCaptureError, ExpandableSegmentsHazardError, StalePoolError
+from ..ledger import DefaultStreamCapture, StaleAttempt, TeardownHazard
+
+SIDE_STREAM_FIX = ("Capture on a side stream: `s = torch.cuda.Stream()`, then `with torch.cuda.stream(s):` around the "
+                   "capture (torch.cuda.graph makes one for you)")
 
 
 def stale_error(backend: Backend, attempt: StaleAttempt) -> StalePoolError:
@@ -53,4 +56,16 @@ def hazard_error(hazard: TeardownHazard, mode: str = "on") -> ExpandableSegments
         f"--- the reset at ---\n{hazard.reset_at}{stacks}")
     err.pool_id, err.device, err.live_bytes, err.reset_site = tuple(pool_id), device, hazard.live_bytes, \
         hazard.reset_site
+    return err
+
+
+def default_stream_error(event: DefaultStreamCapture) -> DefaultStreamCaptureError:
+    """The error for a capture about to begin on its device's default stream."""
+    err = DefaultStreamCaptureError(
+        f"capture_begin on the default stream of device {event.key[1]} at {event.site or '(unknown)'}: torch "
+        "refuses it ('CUDA graphs must be captured on a non-default stream.'), but only after opening the CUDA "
+        "RNG's capture, which it leaves open, so every later eager random op of this process would fail "
+        "('Offset increment outside graph capture'). The capture was NOT begun and the process is fine. "
+        f"{SIDE_STREAM_FIX}.\n--- the capture began at ---\n{event.at}")
+    err.device, err.site = event.key[1], event.site
     return err
