@@ -6,7 +6,13 @@ import os
 import pytest
 import torch
 
-from cudagraph_lifecycle import CUDAGraphRunner, DefaultStreamCaptureError, LazyPool, PoolSanitizer, StalePoolError
+from cudagraph_lifecycle import (
+    CUDAGraphRunner,
+    DefaultStreamCaptureError,
+    LazyPool,
+    PoolSanitizer,
+    StalePoolError,
+)
 from cudagraph_lifecycle.backends.sim import SimBackend, SimGraph
 from cudagraph_lifecycle.conformance import Ctx
 from cudagraph_lifecycle.ledger import ledger
