@@ -184,6 +184,9 @@ def pytest_runtest_makereport(item: pytest.Item, call):
     rep = outcome.get_result()
     if rep.failed and item.get_closest_marker("cudagraph") is not None:
         _snapshot_in_process(item, rep)
+    note = terminal.poison_note(str(rep.longrepr)) if rep.failed else None
+    if note:
+        rep.sections.append(("cudagraph", note))
     reporting.record(item.config.stash[STATE_KEY], rep)
 
 

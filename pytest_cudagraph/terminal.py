@@ -83,3 +83,29 @@ def findings_section(tr: Any, state: dict) -> None:
         tail = "" if not strict else f"; {by}: they fail the session" if strict == len(found) \
             else f"; {by}: {strict} of them fail the session (the rest are xfailed or skipped tests')"
     tr.write_line(f"{len(found)} sanitizer finding(s)" + tail)
+
+
+POISONED = "Offset increment outside graph capture"  # what eager random ops raise once the RNG's capture is left open
+REFUSED = "captured on a non-default stream"  # torch's refusal, which leaves it open
+
+
+def poison_note(failure: str) -> str | None:
+    """A failed test's note where its failure is a poisoned process's (or the refusal that poisons it): what
+    did it, where the ledger saw it, and how to have it refused first."""
+    if REFUSED not in failure and POISONED not in failure:
+        return None
+    from cudagraph_lifecycle.ledger import ledger  # plain Python: no torch
+
+    seen = [d for d in ledger.default_stream if not d.refused]
+    where = "; ".join(f"{d.test or '(outside a test)'} at {d.site or '(unknown)'}" for d in seen[-3:])
+    fix = ("With the sanitizer on (cudagraph-marked tests and workers under --cudagraph-sanitize=on, or "
+           "CUDAGRAPH_SANITIZE=1 for the whole session) such a capture is refused before torch begins it, "
+           "and named with its test and line.")
+    if REFUSED in failure:
+        return ("torch refused a capture on the default stream after opening the CUDA RNG's capture: from now on "
+                "every eager random op of this process fails, in later tests too. Capture on a side stream "
+                f"(`with torch.cuda.stream(s):`). {fix}")
+    cause = (f"by a capture on the default stream: {where}" if where else
+             "by a capture on the default stream, or by the allocator's `use_count > 0` assert (a capture into a "
+             "released pool), in this test or an earlier one; nothing watching saw which")
+    return f"this process's eager CUDA random ops were poisoned {cause}. Only a new process recovers. {fix}"

@@ -543,3 +543,52 @@ def test_a_swallowed_default_stream_capture_is_still_a_finding(pytester, mode, o
     assert f["sites"][0].endswith("test_eager.py:6 in try_to_capture") and "refused before torch ran it" in f["message"]
     res.stdout.fnmatch_lines(["test_eager.py::test_engine_falls_back_to_eager: default_stream_capture: device 0",
                               "*began at *test_eager.py:6 in try_to_capture"])
+
+
+POISONING_TESTS = """
+from cudagraph_lifecycle import get_backend
+
+
+def test_a_forgets_the_side_stream():
+    get_backend("sim").new_graph().capture_begin()
+
+
+def test_b_draws_random_numbers():
+    get_backend("sim").randn(4)
+"""
+
+
+def test_a_poisoned_process_failure_says_what_poisons_it_and_how_to_have_it_refused(pytester):
+    """Unmarked tests are not watched: torch's refusal poisons the process, and the tests that fail for it say
+    why, instead of leaving 'Offset increment outside graph capture' to the user."""
+    pytester.makepyfile(test_poison=POISONING_TESTS)
+    res = pytester.runpytest_subprocess("-p", "cudagraph", "-p", "no:cacheprovider", "--cudagraph-backend=sim")
+    res.assert_outcomes(failed=2)
+    res.stdout.fnmatch_lines([
+        "*test_a_forgets_the_side_stream*", "*- cudagraph -*",
+        "torch refused a capture on the default stream after opening the CUDA RNG's capture: from now on every "
+        "eager random op of this process fails, in later tests too. Capture on a side stream*",
+        "*test_b_draws_random_numbers*", "*- cudagraph -*",
+        "this process's eager CUDA random ops were poisoned by a capture on the default stream, or by the "
+        "allocator's `use_count > 0` assert*CUDAGRAPH_SANITIZE=1*"], consecutive=False)
+
+
+def test_the_poison_note_names_the_test_and_line_the_ledger_saw():
+    from cudagraph_lifecycle import observe
+    from pytest_cudagraph.terminal import poison_note
+
+    be = SimBackend()
+    observe.acquire()  # watched, not judged
+    ledger.test = "test_x.py::test_forgets"
+    try:
+        with pytest.raises(RuntimeError, match="non-default stream"):
+            be.new_graph().capture_begin()
+    finally:
+        ledger.test = None
+        observe.release()
+    with pytest.raises(RuntimeError) as e:
+        be.randn(2)
+    note = poison_note(str(e.value))
+    assert "poisoned by a capture on the default stream: test_x.py::test_forgets at " in note
+    assert "test_findings.py" in note and "in test_the_poison_note_names" in note
+    assert poison_note("AssertionError: 1 != 2") is None
