@@ -91,6 +91,9 @@ def pytest_configure(config: pytest.Config) -> None:
         "scope of the reused worker that holds them (function, module or session), a per-test sanitizer mode, and "
         "MPI ranks",
     )
+    env_error = getattr(sys.modules.get("cudagraph_lifecycle"), "ENV_ERROR", None)
+    if env_error is not None:  # CUDAGRAPH_SANITIZE (and its companions) read at the package's import
+        raise pytest.UsageError(str(env_error))
     problem = forked_incompatibility(pytest.__version__, bool(getattr(config.option, "forked", False)))
     if problem:
         raise pytest.UsageError(problem)

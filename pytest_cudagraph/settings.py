@@ -149,20 +149,33 @@ def _convert(o: Option, raw: Any, source: str) -> Any:
 
 def resolve(config: pytest.Config) -> dict[str, Any]:
     """Each setting's value, and in ``sources`` where it came from (cli, env, ini or default)."""
-    out: dict[str, Any] = {"sources": {}}
+    out: dict[str, Any] = {"sources": {}, "raw": {}}
     for o in OPTIONS:
         key = o.name.replace("-", "_")
         candidates = (("cli", config.getoption("cudagraph_" + key)), ("env", os.environ.get(o.env)),
-                      ("ini", config.getini(o.ini)))
+                      ("ini", _ini(config, o.ini)))
         for source, raw in candidates:
             if raw not in (None, "", []):
                 out[key] = _convert(o, raw, source)
                 out["sources"][key] = source
+                out["raw"][key] = raw  # as the user wrote it, for messages
                 break
         else:
             out[key] = o.default
             out["sources"][key] = "default"
     return out
+
+
+def _ini(config: pytest.Config, name: str) -> Any:
+    """An ini key's value; in pytest 9's native ``[tool.pytest]`` TOML table a number or a boolean too (pytest
+    refuses those for keys registered as strings; the conversion checks them as any other value)."""
+    try:
+        return config.getini(name)
+    except TypeError:
+        raw = getattr(getattr(config, "_inicfg", {}).get(name), "value", None)
+        if isinstance(raw, (bool, int, float)):
+            return raw
+        raise
 
 
 def describe_source(s: dict[str, Any], key: str) -> str:
@@ -173,7 +186,7 @@ def describe_source(s: dict[str, Any], key: str) -> str:
         return f"the default --cudagraph-{o.name}={o.default}"
     if o.kind == "bool" and source == "cli":
         return where(o, source)
-    return f"{where(o, source)}={s[key]}"
+    return f"{where(o, source)}={s.get('raw', {}).get(key, s[key])}"
 
 
 def effective_backend(config: pytest.Config) -> str:

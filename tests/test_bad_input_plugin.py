@@ -60,10 +60,46 @@ OPTIONS = [
      "no GPU, or CUDA_VISIBLE_DEVICES='' hiding them). Run on a GPU runner"),
     ("require gpu and sim", ["--cudagraph-require-gpu", "--cudagraph-backend=sim"], {}, "",
      "--cudagraph-require-gpu contradicts --cudagraph-backend=sim"),
-    ("require gpu env", [], {"CUDAGRAPH_REQUIRE_GPU": "1"}, "", "CUDAGRAPH_REQUIRE_GPU=True: no usable GPU is visible"),
-    ("require gpu ini and sim env", [], {"CUDAGRAPH_BACKEND": "sim"}, "cudagraph_require_gpu = true",
-     "ini key cudagraph_require_gpu=True contradicts CUDAGRAPH_BACKEND=sim"),
+    ("require gpu env", [], {"CUDAGRAPH_REQUIRE_GPU": "1"}, "", "CUDAGRAPH_REQUIRE_GPU=1: no usable GPU is visible"),
+    ("require gpu ini and sim env", [], {"CUDAGRAPH_BACKEND": "sim"}, "cudagraph_require_gpu = yes",
+     "ini key cudagraph_require_gpu=yes contradicts CUDAGRAPH_BACKEND=sim"),
 ]
+
+
+# read when the plugin imports the library, before any option: (id, environment, words)
+AT_IMPORT = [
+    ("program-wide sanitizer", {"CUDAGRAPH_SANITIZE": "maybe"},
+     "CUDAGRAPH_SANITIZE='maybe' is not a sanitizer mode: set it to 1 (or on), strict, or 0 (off)"),
+    ("its backend", {"CUDAGRAPH_SANITIZE": "1", "CUDAGRAPH_SANITIZE_BACKEND": "tpu"},
+     "CUDAGRAPH_SANITIZE_BACKEND='tpu': unknown backend 'tpu'"),
+    ("its teardown", {"CUDAGRAPH_SANITIZE": "1", "CUDAGRAPH_EXPANDABLE_TEARDOWN": "ignore"},
+     "CUDAGRAPH_EXPANDABLE_TEARDOWN='ignore': set it to refuse"),
+]
+
+
+@pytest.mark.parametrize("what, env, words", AT_IMPORT, ids=[r[0] for r in AT_IMPORT])
+def test_variables_read_at_the_librarys_import(pytester, monkeypatch, what, env, words):
+    """A usage error (exit code 4, one line), not a traceback out of loading the plugin."""
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    pytester.makepyfile(test_a=PLAIN_TEST)
+    res = pytester.runpytest_subprocess("-p", "cudagraph")
+    assert res.ret == pytest.ExitCode.USAGE_ERROR, what
+    assert f"ERROR: {words}" in res.stderr.str() and "Traceback" not in res.stderr.str(), res.stderr.str()
+
+
+def test_native_toml_numbers_and_booleans(pytester):
+    """pytest 9's [tool.pytest] table holds native numbers and booleans: taken, and checked like any value."""
+    pytester.makepyprojecttoml("[tool.pytest]\ncudagraph_timeout = 30\ncudagraph_require_gpu = false\n"
+                               "cudagraph_mpi_ranks = 3\n")
+    pytester.makepyfile(test_a="def test_x(pytestconfig):\n"
+                               "    from pytest_cudagraph.settings import SETTINGS_KEY\n"
+                               "    s = pytestconfig.stash[SETTINGS_KEY]\n"
+                               "    assert (s['timeout'], s['require_gpu'], s['mpi_ranks']) == (30, False, 3)\n")
+    pytester.runpytest_inprocess("-p", "cudagraph").assert_outcomes(passed=1)
+    pytester.makepyprojecttoml("[tool.pytest]\ncudagraph_timeout = -3\n")
+    res = pytester.runpytest_inprocess("-p", "cudagraph")
+    assert res.ret == pytest.ExitCode.USAGE_ERROR and "ini key cudagraph_timeout=-3 is below 0" in res.stderr.str()
 
 
 @pytest.mark.parametrize("what, args, env, ini, words", OPTIONS, ids=[r[0] for r in OPTIONS])
