@@ -266,6 +266,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         if n and session.exitstatus == pytest.ExitCode.OK:
             session.exitstatus = exitstatus = pytest.ExitCode.TESTS_FAILED
     if s["report"]:
+        effective_backend(config)  # an xdist controller ran no test: what its workers resolved, read the same way
         reporting.write(s["report"], s, state, exitstatus)
 
 
@@ -287,6 +288,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     s = config.stash.get(SETTINGS_KEY, None)
     if state is None or s is None:
         return
+    if reporting.rows(state):
+        effective_backend(config)  # (an xdist controller has not resolved it: its workers ran the tests)
     terminal.lifecycle_section(terminalreporter, state, s.get("effective_backend"))
     terminal.findings_section(terminalreporter, state)
     if s["report"]:

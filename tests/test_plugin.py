@@ -251,8 +251,10 @@ def test_xdist_two_workers(pytester):
     report = pytester.path / "r.json"
     res = run(pytester, "-n", "2", f"--cudagraph-report={report}")
     res.assert_outcomes(passed=4)
-    res.stdout.fnmatch_lines(["8 engine cycles: 0 fresh, 8 held; 0 failed*"])
-    assert json.loads(report.read_text())["totals"]["cycles"] == 8
+    res.stdout.fnmatch_lines(["8 engine cycles: 0 fresh, 8 held; 0 failed*; backend sim"])
+    data = json.loads(report.read_text())
+    assert data["totals"]["cycles"] == 8
+    assert (data["meta"]["effective_backend"], data["meta"]["gpus"]) == ("sim", 0)  # the controller ran no test
 
 
 def test_no_worker_left_after_session(pytester):
