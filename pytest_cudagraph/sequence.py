@@ -119,12 +119,18 @@ class EngineSequence:
 
         n = self._default_n if n is None else n
         if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
-            raise ConfigError(f"engine_sequence(n={n!r}): give n >= 1 engines")
+            raise ConfigError(f"engine_sequence(n={n!r}): give n >= 1 engines, an int")
         if not callable(factory):
             raise ConfigError(f"engine_sequence needs a factory callable(backend) -> engine, got {factory!r}")
         if output not in OUTPUTS:
             raise ConfigError(f"engine_sequence(output={output!r}): choose 'hold' (the caller keeps the last "
                               "output, a view into the pool) or 'drop' (the caller copies it out)")
+        if isinstance(atol, bool) or not isinstance(atol, (int, float)) or not atol >= 0:
+            raise ConfigError(f"engine_sequence(atol={atol!r}): give the largest absolute difference allowed "
+                              "between replay and eager, a number >= 0 (default 1e-4)")
+        if reload is not None and not callable(reload):
+            raise ConfigError(f"engine_sequence(reload={reload!r}): give a callable(engine) that loads new weights "
+                              "into the engine between replays, or leave it out")
         s = self._settings
         start = len(self.records)
         first = max((r["index"] for r in self.records), default=-1) + 1

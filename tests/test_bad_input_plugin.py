@@ -126,6 +126,9 @@ FIXTURE_ARGS = [
     ("marker ranks", "@pytest.mark.cudagraph_engines(ranks=0)", "engine_sequence(good)",
      "cudagraph_engines(ranks=0): give a positive int"),
     ("sequence n", "", "engine_sequence(good, 0)", "engine_sequence(n=0): give n >= 1"),
+    ("sequence n type", "", "engine_sequence(good, '2')", "engine_sequence(n='2'): give n >= 1 engines, an int"),
+    ("sequence atol", "", "engine_sequence(good, 1, atol='small')", "engine_sequence(atol='small'): give the largest"),
+    ("sequence reload", "", "engine_sequence(good, 1, reload='swap')", "engine_sequence(reload='swap'): give a callable"),
     ("sequence output", "", "engine_sequence(good, 1, output='keep')", "engine_sequence(output='keep'): choose 'hold'"),
     ("sequence factory", "", "engine_sequence(5)", "needs a factory callable(backend) -> engine, got 5"),
 ]
@@ -143,6 +146,11 @@ class PlainIds(Good):
     def pool_ids(self): return [(0, 1)]
 
 def plain_ids(backend): return PlainIds(backend)
+
+class RunnerAndIds(PlainIds):  # what the engine says wins over what its runner holds
+    runner = type("Runner", (), {"pool_ids": []})()
+
+def runner_and_ids(backend): return RunnerAndIds(backend)
 '''
 
 
@@ -165,6 +173,7 @@ def test_x(engine_sequence):
 @pytest.mark.parametrize("factory, words", [
     ("no_release", ["the factory returned object, which has no run(x) (or __call__) and no release()"]),
     ("plain_ids", ["PlainIds.pool_ids() returned [(0, 1)]", "(device, pool_id) pairs"]),
+    ("runner_and_ids", ["RunnerAndIds.pool_ids() returned [(0, 1)]"]),
 ])
 def test_engines_of_the_wrong_shape(pytester, factory, words):
     pytester.makepyfile(engines_mod=ENGINES)

@@ -11,7 +11,7 @@
 
 ``pool_ids()`` returns ``[(device, pool_id), ...]``: ``device`` an int, ``pool_id`` the pair of ints that
 ``torch.cuda.graph_pool_handle()`` or ``MemPool.id`` gives. An engine with a ``runner``
-(:class:`~cudagraph_lifecycle.CUDAGraphRunner`) declares the runner's pools.
+(:class:`~cudagraph_lifecycle.CUDAGraphRunner`) and no ``pool_ids()`` of its own declares the runner's pools.
 """
 
 from __future__ import annotations
@@ -57,14 +57,15 @@ class Engine:
         self.eager = _method(obj, "eager")
 
     def declared_pools(self) -> list[tuple[int, PoolId]] | None:
-        """The pools the engine says it owns (``pool_ids()`` or its runner's), or None if it says nothing."""
+        """The pools the engine says it owns: its own ``pool_ids()`` where it has one (what it says wins over
+        what its runner holds), else its runner's; None if it says nothing."""
+        fn = _method(self.obj, "pool_ids")
+        if fn is not None:
+            return check_pool_ids(fn(), f"{self.name}.pool_ids()")
         runner = getattr(self.obj, "runner", None)
         if runner is not None and hasattr(runner, "pool_ids"):
             return check_pool_ids(runner.pool_ids, f"{self.name}.runner.pool_ids")
-        fn = _method(self.obj, "pool_ids")
-        if fn is None:
-            return None
-        return check_pool_ids(fn(), f"{self.name}.pool_ids()")
+        return None
 
 
 def check_pool_ids(value: Any, what: str) -> list[tuple[int, PoolId]]:
