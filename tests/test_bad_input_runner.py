@@ -4,6 +4,8 @@ Each row: what the user did, the error type, and the words the message must cont
 to fix it). A row that stops raising, raises another type or loses its words fails.
 """
 
+import os
+
 import pytest
 import torch
 
@@ -105,7 +107,20 @@ def test_running_a_runner(what, call, error, words):
         assert w in str(e.value), (what, str(e.value))
 
 
+def _runner_under(**env):
+    """A runner built with ``env`` set (its checks chosen by CUDAGRAPH_CHECKED)."""
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        return runner()
+    finally:
+        for k, v in before.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+
+
 OTHER = [
+    ("CUDAGRAPH_CHECKED not a boolean", lambda: _runner_under(CUDAGRAPH_CHECKED="maybe"), ConfigError,
+     ["CUDAGRAPH_CHECKED='maybe' is not a boolean", "set it to 1", "or 0, or unset it"]),
     ("pool mode unknown", lambda: LazyPool(SimBackend(), mode="shared"), ConfigError,
      ["unknown pool mode 'shared'", "auto, mempool, handle"]),
     ("sim devices zero", lambda: SimBackend(devices=0), ConfigError, ["SimBackend(devices=0)", "positive int"]),

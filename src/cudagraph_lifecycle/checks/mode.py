@@ -23,7 +23,16 @@ _strict_holders = 0
 
 
 def enabled() -> bool:
-    return _strict_holders > 0 or os.environ.get("CUDAGRAPH_CHECKED", "").strip().lower() in ("1", "true", "on", "yes")
+    if _strict_holders > 0:
+        return True
+    raw = os.environ.get("CUDAGRAPH_CHECKED", "")
+    value = raw.strip().lower()
+    if value in ("1", "true", "on", "yes"):
+        return True
+    if value in ("", "0", "false", "off", "no"):
+        return False
+    raise ConfigError(f"CUDAGRAPH_CHECKED={raw!r} is not a boolean: set it to 1 (checked mode for every runner that "
+                      "does not choose) or 0, or unset it")
 
 
 def hold() -> None:
