@@ -12,12 +12,18 @@ import pytest
 from .mpi import MPIRanks
 from .report import FINDINGS, STRICT_FAILURE
 from .sequence import EngineSequence
-from .settings import SETTINGS_KEY, STATE_KEY, effective_backend
+from .settings import SETTINGS_KEY, STATE_KEY, effective_backend, parse_bytes
 from .worker import ReusedWorker
 
 SCOPES = ("function", "module", "session")
 MARKER_KWARGS = ("n", "scope", "sanitize", "ranks")
 BUDGET_KWARGS = ("max_pool_bytes", "max_captures", "require_replay")
+
+
+def _as_written(marker: pytest.Mark) -> str:
+    """A marker as the user wrote it: ``cudagraph_engines(3, sanitise='strict')``."""
+    args = [repr(a) for a in marker.args] + [f"{k}={v!r}" for k, v in marker.kwargs.items()]
+    return f"{marker.name}({', '.join(args)})"
 
 
 def budgets(node: pytest.Item) -> dict[str, Any]:
@@ -29,13 +35,20 @@ def budgets(node: pytest.Item) -> dict[str, Any]:
         return {}
     unknown = sorted(set(marker.kwargs) - set(BUDGET_KWARGS))
     if unknown or marker.args:
-        raise ConfigError(f"cudagraph{tuple(marker.args)}{marker.kwargs}: takes only {', '.join(BUDGET_KWARGS)} "
+        raise ConfigError(f"{_as_written(marker)}: takes only {', '.join(BUDGET_KWARGS)} "
                           f"as keywords; unknown: {', '.join(unknown) or 'positional arguments'}")
     out = dict(marker.kwargs)
+    if isinstance(out.get("max_pool_bytes"), str):  # a size, as --cudagraph-max-growth takes it: "64MiB"
+        try:
+            out["max_pool_bytes"] = parse_bytes(out["max_pool_bytes"])
+        except ValueError:
+            raise ConfigError(f"cudagraph(max_pool_bytes={out['max_pool_bytes']!r}): give a size in bytes, an int "
+                              "or a string with KiB, MiB or GiB (e.g. '64MiB')") from None
     for key in ("max_pool_bytes", "max_captures"):
         v = out.get(key)
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
-            raise ConfigError(f"cudagraph({key}={v!r}): give an int >= 0")
+            raise ConfigError(f"cudagraph({key}={v!r}): give an int >= 0"
+                              + (" or a size such as '64MiB'" if key == "max_pool_bytes" else ""))
     if not isinstance(out.get("require_replay", False), bool):
         raise ConfigError(f"cudagraph(require_replay={out['require_replay']!r}): give True or False")
     return out
@@ -196,7 +209,7 @@ def engines_marker(node: pytest.Item) -> tuple[int, str, str | None, int | None]
         return 3, "function", None, None
     unknown = sorted(set(marker.kwargs) - set(MARKER_KWARGS))
     if unknown or len(marker.args) > 1:
-        raise ConfigError(f"cudagraph_engines{tuple(marker.args)}{marker.kwargs}: takes n (positional or keyword) "
+        raise ConfigError(f"{_as_written(marker)}: takes n (positional or keyword) "
                           f"and {', '.join(MARKER_KWARGS[1:])}; unknown: {', '.join(unknown) or 'extra positional'}")
     n = marker.kwargs.get("n", marker.args[0] if marker.args else 3)
     scope = marker.kwargs.get("scope", "function")

@@ -121,8 +121,11 @@ FIXTURE_ARGS = [
      "cudagraph_engines(scope='class'): choose one of function, module, session"),
     ("marker sanitize", "@pytest.mark.cudagraph_engines(sanitize='loud')", "engine_sequence(good)",
      "cudagraph_engines(sanitize='loud'): choose off, on or strict"),
-    ("marker unknown keyword", "@pytest.mark.cudagraph_engines(3, engines=2)", "engine_sequence(good)",
-     "unknown: engines"),
+    ("marker unknown keyword", "@pytest.mark.cudagraph_engines(3, sanitise='strict')", "engine_sequence(good)",
+     "cudagraph_engines(3, sanitise='strict'): takes n (positional or keyword) and scope, sanitize, ranks; "
+     "unknown: sanitise"),
+    ("budget size", "@pytest.mark.cudagraph(max_pool_bytes='lots')", "engine_sequence(good)",
+     "cudagraph(max_pool_bytes='lots'): give a size in bytes, an int or a string with KiB, MiB or GiB"),
     ("marker ranks", "@pytest.mark.cudagraph_engines(ranks=0)", "engine_sequence(good)",
      "cudagraph_engines(ranks=0): give a positive int"),
     ("sequence n", "", "engine_sequence(good, 0)", "engine_sequence(n=0): give n >= 1"),

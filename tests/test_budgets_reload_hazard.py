@@ -83,7 +83,7 @@ def test_pool_over_budget(engine_sequence):
     with pytest.raises(EngineCycleError, match="pool_over_budget"):
         engine_sequence(checked, 1)
 
-@pytest.mark.cudagraph(max_pool_bytes=2 << 20, max_captures=3, require_replay=True)
+@pytest.mark.cudagraph(max_pool_bytes="2MiB", max_captures=3, require_replay=True)
 def test_within(engine_sequence):
     (rec,) = engine_sequence(checked, 1)
     assert rec["graphs"] == 3 and rec["replays"] >= 1 and sum(rec["graph_bytes"].values()) == rec["pool_bytes"]
