@@ -12,7 +12,7 @@ import pytest
 from .mpi import MPIRanks
 from .report import FINDINGS, STRICT_FAILURE
 from .sequence import EngineSequence
-from .settings import SETTINGS_KEY, STATE_KEY, effective_backend, parse_bytes
+from .settings import SETTINGS_KEY, STATE_KEY, describe_source, effective_backend, parse_bytes
 from .worker import ReusedWorker
 
 SCOPES = ("function", "module", "session")
@@ -89,8 +89,10 @@ def _worker_env(s: dict[str, Any], sanitize: str | None = None) -> dict[str, str
 def _new_worker(config: pytest.Config, name: str, sanitize: str | None = None) -> ReusedWorker:
     s = _settings(config)
     # the worker installs a sanitizer on its process's backend at start
-    return ReusedWorker(start_method=s["start_method"], timeout=s["timeout"] or None, name=name,
-                        env=_worker_env(s, sanitize))
+    w = ReusedWorker(start_method=s["start_method"], timeout=s["timeout"] or None, name=name,
+                     env=_worker_env(s, sanitize))
+    w.timeout_from = describe_source(s, "timeout")
+    return w
 
 
 @pytest.fixture(autouse=True)
@@ -187,7 +189,9 @@ def _mpi_ranks(config: pytest.Config, ranks: int | None = None, sanitize: str | 
     s = _settings(config)
     if s["mpi_unavailable"]:
         pytest.skip(f"needs MPI: {s['mpi_unavailable']}")
-    return MPIRanks(ranks or s["mpi_ranks"], timeout=s["timeout"] or None, env=_worker_env(s, sanitize))
+    ranks = MPIRanks(ranks or s["mpi_ranks"], timeout=s["timeout"] or None, env=_worker_env(s, sanitize))
+    ranks.controller.timeout_from = describe_source(s, "timeout")
+    return ranks
 
 
 @pytest.fixture(scope="module")

@@ -88,9 +88,31 @@ def where(o: Option, source: str) -> str:
     return {"cli": f"--cudagraph-{o.name}", "env": o.env, "ini": f"ini key {o.ini}"}[source]
 
 
-def setting(o: Option, source: str, value: Any) -> str:
-    """How to write ``value`` where the user set the option: ``--cudagraph-x=v``, ``VAR=v``, or the ini line."""
-    return f"`{o.ini} = {value}` in the [pytest] section" if source == "ini" else f"{where(o, source)}={value}"
+def setting(o: Option, source: str, value: Any, section: str = "[pytest]") -> str:
+    """How to write ``value`` where the user set the option: ``--cudagraph-x=v``, ``VAR=v``, or the ini line
+    in the ini file's section."""
+    return f"`{o.ini} = {value}` in the {section} section" if source == "ini" else f"{where(o, source)}={value}"
+
+
+def ini_section(config: pytest.Config) -> str:
+    """The section pytest's settings live in, in the file the user has: ``[pytest]`` of pytest.ini or tox.ini,
+    ``[tool:pytest]`` of setup.cfg, ``[tool.pytest.ini_options]`` (or pytest 9's ``[tool.pytest]``) of
+    pyproject.toml."""
+    path = config.inipath
+    if path is None or path.name in ("pytest.ini", ".pytest.ini", "tox.ini"):
+        return "[pytest]"
+    if path.name == "setup.cfg":
+        return "[tool:pytest]"
+    if path.suffix == ".toml":
+        try:
+            import tomllib
+
+            tool = tomllib.loads(path.read_text()).get("tool", {}).get("pytest", {})
+        except (ImportError, OSError, ValueError):
+            tool = {}
+        return "[tool.pytest.ini_options]" if "ini_options" in tool else "[tool.pytest]" if tool else \
+            "[tool.pytest.ini_options]"
+    return "[pytest]"
 
 
 def unset(s: dict[str, Any], key: str) -> str:
@@ -113,7 +135,7 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
-def _convert(o: Option, raw: Any, source: str) -> Any:
+def _convert(o: Option, raw: Any, source: str, section: str = "[pytest]") -> Any:
     name = where(o, source)
     if o.kind == "bool":
         if isinstance(raw, bool):
@@ -130,19 +152,21 @@ def _convert(o: Option, raw: Any, source: str) -> Any:
         except ValueError:
             raise pytest.UsageError(
                 f"{name}={raw!r} is not a size in bytes: give an integer, optionally with KiB, MiB or GiB "
-                f"(or KB, MB, GB: powers of 10; e.g. {setting(o, source, '64MiB')})") from None
+                f"(or KB, MB, GB: powers of 10; e.g. {setting(o, source, '64MiB', section)})") from None
     if o.kind in _NUMBERS:
         cast, lowest, what, example = _NUMBERS[o.kind]
         try:
             value = cast(raw)
         except (TypeError, ValueError):
-            raise pytest.UsageError(f"{name}={raw!r} is not {what}: e.g. {setting(o, source, example)}") from None
+            raise pytest.UsageError(f"{name}={raw!r} is not {what}: e.g. {setting(o, source, example, section)}") from None
         if value < lowest:
             raise pytest.UsageError(
                 f"{name}={raw!r} is below {lowest} ({'0 means no limit' if lowest == 0 else 'give a positive number'})")
         return value
     value = str(raw)
-    if o.choices and value not in o.choices:
+    if o.choices:
+        if value.strip().lower() in o.choices:  # ON, Sim: as CUDAGRAPH_SANITIZE=STRICT is taken
+            return value.strip().lower()
         raise pytest.UsageError(f"{name}={value!r} is not one of: {', '.join(o.choices)}")
     return value
 
@@ -150,13 +174,14 @@ def _convert(o: Option, raw: Any, source: str) -> Any:
 def resolve(config: pytest.Config) -> dict[str, Any]:
     """Each setting's value, and in ``sources`` where it came from (cli, env, ini or default)."""
     out: dict[str, Any] = {"sources": {}, "raw": {}}
+    section = ini_section(config)
     for o in OPTIONS:
         key = o.name.replace("-", "_")
         candidates = (("cli", config.getoption("cudagraph_" + key)), ("env", os.environ.get(o.env)),
                       ("ini", _ini(config, o.ini)))
         for source, raw in candidates:
             if raw not in (None, "", []):
-                out[key] = _convert(o, raw, source)
+                out[key] = _convert(o, raw, source, section)
                 out["sources"][key] = source
                 out["raw"][key] = raw  # as the user wrote it, for messages
                 break

@@ -629,6 +629,7 @@ class ReusedWorker:
         # checked now, so a wrong setting fails where it is made; decided again at every start
         self.start_method, self.reason = resolve_start_method(start_method)
         self.timeout = timeout
+        self.timeout_from: str | None = None  # where the timeout was set, for its report (the plugin's option)
         self.env = dict(env or {})
         self.name = name
         self.calls = 0
@@ -778,8 +779,9 @@ class ReusedWorker:
             pass
         tail = self.stderr_tail(60)
         return WorkerTimeout(
-            f"worker {self.name} (pid {proc.pid}) ran past the timeout of {limit:g}s in {during}; "
-            "the worker and everything it started were killed (its session)"
+            f"worker {self.name} (pid {proc.pid}) ran past the timeout of {limit:g}s"
+            + (f" ({self.timeout_from})" if self.timeout_from and limit == self.timeout else "")
+            + f" in {during}; the worker and everything it started were killed (its session)"
             + (f"\n--- last lines of the worker's stderr ---\n{tail.rstrip()}" if tail.strip() else "")
         )
 

@@ -100,6 +100,9 @@ def test_native_toml_numbers_and_booleans(pytester):
     pytester.makepyprojecttoml("[tool.pytest]\ncudagraph_timeout = -3\n")
     res = pytester.runpytest_inprocess("-p", "cudagraph")
     assert res.ret == pytest.ExitCode.USAGE_ERROR and "ini key cudagraph_timeout=-3 is below 0" in res.stderr.str()
+    pytester.makepyprojecttoml("[tool.pytest.ini_options]\ncudagraph_timeout = 'soon'\n")
+    res = pytester.runpytest_inprocess("-p", "cudagraph")  # the example is written for the file the user has
+    assert "e.g. `cudagraph_timeout = 120` in the [tool.pytest.ini_options] section" in res.stderr.str()
 
 
 @pytest.mark.parametrize("what, args, env, ini, words", OPTIONS, ids=[r[0] for r in OPTIONS])

@@ -135,7 +135,7 @@ def test_timeout(pytester):
     ''')
     res = run(pytester, "--cudagraph-timeout=1")
     res.assert_outcomes(failed=1)
-    res.stdout.fnmatch_lines(["*WorkerTimeout*past the timeout of 1s*"])
+    res.stdout.fnmatch_lines(["*WorkerTimeout*past the timeout of 1s (--cudagraph-timeout=1) in call*"])
 
 
 def test_leaky_engine_is_leaked_when_the_caller_copies(pytester):
