@@ -211,6 +211,28 @@ def test_the_command_reads_findings_after_the_programs_threads(tmp_path):
     assert p.returncode == 1 and "pinned_pool" in p.stderr and ":13 in serve)" in p.stderr, p.stderr[-2000:]
 
 
+def test_the_command_runs_a_module_as_python_m_does(tmp_path):
+    """`-m MODULE`: found on sys.path from the working folder, run as __main__ with its file as argv[0], its
+    findings read while it is still __main__."""
+    (tmp_path / "servemod.py").write_text(PINNED)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CUDAGRAPH_", "OMPI_", "PMI"))}
+    env.update({"CUDAGRAPH_SANITIZE": "strict", "CUDAGRAPH_SANITIZE_BACKEND": "sim"})
+    p = subprocess.run([sys.executable, "-m", COMMAND, "-m", "servemod", "--exit", "0"], capture_output=True,
+                       text=True, env=env, timeout=120, cwd=tmp_path)
+    assert p.returncode == 1 and p.stdout == "served\n", p.stderr[-2000:]  # strict: the clean exit fails
+    assert p.stderr.startswith(PINNED_LINE.format(tmp_path / "servemod.py")) and WHAT_PINS in p.stderr, p.stderr
+    missing = subprocess.run([sys.executable, "-m", COMMAND, "-m", "nosuchmod"], capture_output=True, text=True,
+                             env=env, timeout=120, cwd=tmp_path)
+    assert missing.returncode == 1 and "No module named nosuchmod" in missing.stderr, missing.stderr
+
+
+@pytest.mark.parametrize("args, words", [(["-c", "pass"], "-c is not an option of this command"),
+                                         (["-m"], "-m needs a module name")])
+def test_the_command_names_what_it_does_not_take(args, words):
+    p = subprocess.run([sys.executable, "-m", COMMAND, *args], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and f"cudagraph sanitizer: {words}: give the program's file" in p.stderr, p.stderr
+
+
 def test_module_entry_runs_a_program_under_it(tmp_path):
     p = _run(["-m", "cudagraph_lifecycle.sanitizer"], {"CUDAGRAPH_SANITIZE_BACKEND": "sim"}, tmp_path)
     assert p.returncode == 1 and "StalePoolError: capture into stale pool" in p.stderr, p.stderr[-2000:]

@@ -1,8 +1,10 @@
-"""``python -m cudagraph_lifecycle.sanitizer PROGRAM.py [ARGS...]``: run a program under the sanitizer."""
+"""``python -m cudagraph_lifecycle.sanitizer PROGRAM.py [ARGS...]`` (or ``-m MODULE [ARGS...]``): run a program
+under the sanitizer."""
 
 from __future__ import annotations
 
 import builtins
+import functools
 import importlib.machinery
 import io
 import os
@@ -21,10 +23,17 @@ def main(argv: list[str] | None = None) -> int | str | None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: python -m cudagraph_lifecycle.sanitizer PROGRAM.py [ARGS...]\n"
+              "       python -m cudagraph_lifecycle.sanitizer -m MODULE [ARGS...]\n"
               "  CUDAGRAPH_SANITIZE=strict makes findings fail the run; CUDAGRAPH_SANITIZE_BACKEND picks the "
               "backend (auto, cuda, sim)", file=sys.stderr)
         return 2 if not argv else 0
-    if not os.path.isfile(argv[0]):
+    module = argv[1] if argv[0] == "-m" and len(argv) > 1 else None
+    if module is None and argv[0].startswith("-"):
+        what = "-m needs a module name" if argv[0] == "-m" else f"{argv[0]} is not an option of this command"
+        print(f"cudagraph sanitizer: {what}: give the program's file (PROGRAM.py [ARGS...]) or a module to run as "
+              "`python -m` does (-m MODULE [ARGS...])", file=sys.stderr)
+        return 2
+    if module is None and not os.path.isfile(argv[0]):
         print(f"cudagraph sanitizer: no such program file: {argv[0]}", file=sys.stderr)
         return 2
     env = dict(os.environ)
@@ -40,19 +49,21 @@ def main(argv: list[str] | None = None) -> int | str | None:
     except (ConfigError, BackendUnavailableError) as e:
         print(f"cudagraph sanitizer: {e}", file=sys.stderr)
         return 2
-    sys.argv = argv
+    sys.argv = argv[1:] if module else argv  # (runpy sets a module's argv[0] to its file, as `python -m`)
     found: list = []
     findings_taken()  # printed here: an exit report of the package's import would print them again
-    status = _run_program(argv[0], lambda: found.extend(print_findings(san)))
+    run = functools.partial(_execute_module, module) if module else functools.partial(_execute, argv[0])
+    status = _run_program(run, lambda: found.extend(print_findings(san)))
     return 1 if found and san.mode == "strict" and status in (0, None) else status
 
 
-def _run_program(path: str, at_end: Callable[[], None]) -> int | str | None:
-    """Run ``path`` as ``python PATH`` does and return its exit status; then, its non-daemon threads done,
+def _run_program(run: Callable[[], int | str | None], at_end: Callable[[], None]) -> int | str | None:
+    """Run the program (``run``: as ``python PATH`` or ``python -m MODULE`` does) and return its exit status;
+    then, its non-daemon threads done,
     ``at_end`` runs while the program's module is still ``__main__`` (a finding can name a global of it that
     pins a pool). On Ctrl-C ``at_end`` runs too, and the interrupt goes on."""
     try:
-        status = _execute(path)
+        status = run()
         for t in threading.enumerate():  # as the interpreter waits before it exits
             if t is not threading.main_thread() and not t.daemon:
                 t.join()
@@ -83,8 +94,25 @@ def _execute(path: str) -> int | str | None:
     except SystemExit as e:
         return e.code
     except Exception as e:
-        tb = e.__traceback__
-        while tb is not None and tb.tb_frame.f_code.co_filename == __file__:  # this module's frames
-            tb = tb.tb_next
-        sys.excepthook(type(e), e.with_traceback(tb), tb)
-        return 1
+        return _uncaught(e)
+
+
+def _execute_module(name: str) -> int | str | None:
+    """A module as ``python -m NAME`` runs it: found on ``sys.path``, run as ``__main__``, which it stays
+    (runpy's own entry for ``-m``; its errors, such as no module of that name, as Python words them)."""
+    try:
+        runpy._run_module_as_main(name)
+        return 0
+    except SystemExit as e:
+        return e.code
+    except Exception as e:
+        return _uncaught(e)
+
+
+def _uncaught(e: BaseException) -> int:
+    """Shown by ``sys.excepthook`` with the program's frames only (not this module's), as Python would."""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next
+    sys.excepthook(type(e), e.with_traceback(tb), tb)
+    return 1
