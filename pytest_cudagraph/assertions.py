@@ -58,4 +58,4 @@ def check_record(rec: dict) -> None:
     pools = ", ".join(str(tuple(p[1])) for p in rec.get("pool_ids") or []) or "none observed"
     problems = "\n".join(f"- {p['kind']}: {p['message']}" for p in rec.get("problems") or []) or "- (none recorded)"
     raise EngineCycleError(
-        f"engine {rec['index']} is {rec.get('verdict', '?')} ({who}; pools {pools}):\n{problems}")
+        f"engine {rec['index']}: verdict {rec.get('verdict', '?')} ({who}; pools {pools}):\n{problems}")

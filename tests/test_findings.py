@@ -592,3 +592,26 @@ def test_the_poison_note_names_the_test_and_line_the_ledger_saw():
     assert "poisoned by a capture on the default stream: test_x.py::test_forgets at " in note
     assert "test_findings.py" in note and "in test_the_poison_note_names" in note
     assert poison_note("AssertionError: 1 != 2") is None
+
+
+class CudaItself:
+    """Written against torch.cuda, not the backend it is given: on a CPU run it cannot build."""
+
+    def __init__(self, be):
+        self.w = torch.ones(4, device="cuda")
+
+    def run(self, x):
+        return x
+
+    def release(self):
+        pass
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the engine builds where CUDA is")
+def test_an_engine_using_cuda_itself_on_a_cpu_run_says_how_to_skip_it():
+    from cudagraph_lifecycle.cycle import run_cycle
+
+    (rec,) = run_cycle(CudaItself, SimBackend(), 0)
+    (p,) = rec["problems"]
+    assert rec["verdict"] == "error" and "during build" in p["message"]
+    assert "this run has no GPU (backend sim): mark its test @pytest.mark.gpu" in p["message"]

@@ -140,7 +140,7 @@ def test_timeout(pytester):
 
 def test_leaky_engine_is_leaked_when_the_caller_copies(pytester):
     res = run_failing_sequence(pytester, "leaky, 2, output='drop'")
-    res.stdout.fnmatch_lines(["*EngineCycleError: engine 0 is leaked*", "*no output the caller holds pins*",
+    res.stdout.fnmatch_lines(["*EngineCycleError: engine 0: verdict leaked*", "*no output the caller holds pins*",
                               "*test_seq*2.0M*leaked FAILED"])
 
 

@@ -33,6 +33,7 @@ from .engine import Engine
 from .record import CycleRecord
 
 ASSERT_MARKERS = ("use_count > 0", "INTERNAL ASSERT FAILED")
+NO_CUDA_MARKERS = ("Torch not compiled with CUDA enabled", "No CUDA GPUs are available", "Found no NVIDIA driver")
 DEFAULT_STREAM_MARKER = "captured on a non-default stream"  # torch's refusal, which poisons random ops
 _CHECK_ERRORS = ((ReplayCheckError, "replay_check"), (OverwrittenOutputError, "replay_check"),
                  (CapturedAddressError, "captured_address"), (ExpandableSegmentsHazardError, "expandable_teardown"))
@@ -154,7 +155,12 @@ def failed(e: BaseException, rec: CycleRecord, be: Backend, since: int, step: st
                         f"{a.minted_at or '(not seen)'}--- its last graph was released at ---\n{a.released_at or '(not seen)'}")
         rec.add("stale", msg)
         return
-    rec.add("error", f"{type(e).__name__} during {step}: {first}")
+    hint = ""
+    if be.name == "sim" and any(m in str(e) for m in NO_CUDA_MARKERS):
+        hint = (" -- the engine uses CUDA itself, and this run has no GPU (backend sim): mark its test "
+                "@pytest.mark.gpu to skip it where there is none, or build it through the backend it is given "
+                "(backend.torch_device(0), backend.randn, backend.new_graph)")
+    rec.add("error", f"{type(e).__name__} during {step}: {first}{hint}")
 
 
 def check_held(be: Backend, caller: Caller, current: set[Key]) -> CycleRecord | None:
