@@ -187,9 +187,12 @@ def pytest_runtest_makereport(item: pytest.Item, call):
     rep = outcome.get_result()
     if rep.failed and item.get_closest_marker("cudagraph") is not None:
         _snapshot_in_process(item, rep)
-    note = terminal.poison_note(str(rep.longrepr)) if rep.failed else None
+    note = terminal.poison_note(call.excinfo.value) if rep.failed and call.excinfo is not None else None
     if note:
-        rep.sections.append(("cudagraph", note))
+        if hasattr(rep.longrepr, "addsection"):  # shown under the failure whatever --show-capture says
+            rep.longrepr.addsection("cudagraph", note)
+        else:
+            rep.sections.append(("cudagraph", note))
     reporting.record(item.config.stash[STATE_KEY], rep)
 
 

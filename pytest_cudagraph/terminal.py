@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from .report import VERDICTS, findings, rows, totals
@@ -87,25 +88,53 @@ def findings_section(tr: Any, state: dict) -> None:
 
 POISONED = "Offset increment outside graph capture"  # what eager random ops raise once the RNG's capture is left open
 REFUSED = "captured on a non-default stream"  # torch's refusal, which leaves it open
+_PREVENTED = ("DefaultStreamCaptureError", "StalePoolError")  # the sanitizer stopped it: the process is fine
 
 
-def poison_note(failure: str) -> str | None:
-    """A failed test's note where its failure is a poisoned process's (or the refusal that poisons it): what
-    did it, where the ledger saw it, and how to have it refused first."""
-    if REFUSED not in failure and POISONED not in failure:
+def _chain(exc: BaseException) -> list[BaseException]:
+    out: list[BaseException] = []
+    while exc is not None and exc not in out and len(out) < 16:
+        out.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return out
+
+
+def _process_worlds() -> set:
+    """The allocator worlds of this process (an isolated ``SimBackend()`` of a test poisons only itself)."""
+    worlds = {"cuda"}
+    sim = sys.modules.get("cudagraph_lifecycle.backends.sim")
+    process = getattr(getattr(sim, "SimBackend", None), "_process", None)
+    if process is not None:
+        worlds.add(process.world)
+    return worlds
+
+
+def poison_note(exc: BaseException | None) -> str | None:
+    """A failed test's note where what failed it in this process is torch's refusal of a capture on the default
+    stream, or a random op of a process that refusal (or the allocator's assert) poisoned: what did it, where
+    the ledger saw it, how to have it refused first. None for anything else, for what the sanitizer stopped,
+    and for a worker's errors (that process is replaced)."""
+    chain = _chain(exc) if exc is not None else []
+    names = {type(e).__name__ for e in chain}
+    if not chain or names & set(_PREVENTED) or type(exc).__module__.startswith("pytest_cudagraph"):
+        return None
+    # what torch raises is a RuntimeError (an assert that merely compares these words is not it)
+    text = "\n".join(str(e) for e in chain if isinstance(e, RuntimeError))
+    if REFUSED not in text and POISONED not in text:
         return None
     from cudagraph_lifecycle.ledger import ledger  # plain Python: no torch
 
-    seen = [d for d in ledger.default_stream if not d.refused]
-    where = "; ".join(f"{d.test or '(outside a test)'} at {d.site or '(unknown)'}" for d in seen[-3:])
+    worlds = _process_worlds()
+    seen = [d for d in reversed(list(ledger.default_stream)) if not d.refused and d.key[0] in worlds]
+    where = "; ".join(f"{d.test or '(outside a test)'} at {d.site or '(unknown)'}" for d in seen[:3])
     fix = ("With the sanitizer on (cudagraph-marked tests and workers under --cudagraph-sanitize=on, or "
            "CUDAGRAPH_SANITIZE=1 for the whole session) such a capture is refused before torch begins it, "
            "and named with its test and line.")
-    if REFUSED in failure:
+    if REFUSED in text:
         return ("torch refused a capture on the default stream after opening the CUDA RNG's capture: from now on "
                 "every eager random op of this process fails, in later tests too. Capture on a side stream "
                 f"(`with torch.cuda.stream(s):`). {fix}")
-    cause = (f"by a capture on the default stream: {where}" if where else
+    cause = (f"by a capture on the default stream (newest first): {where}" if where else
              "by a capture on the default stream, or by the allocator's `use_count > 0` assert (a capture into a "
              "released pool), in this test or an earlier one; nothing watching saw which")
     return f"this process's eager CUDA random ops were poisoned {cause}. Only a new process recovers. {fix}"

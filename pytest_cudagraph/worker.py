@@ -285,6 +285,7 @@ def _child_main(conn, stderr_path: str, sys_path: list[str], env: dict[str, str]
             return
         if not payload:
             return
+        seq = _ledger_seq()
         try:
             fn, args, kwargs, test = pickle.loads(payload)
             if test is not None:
@@ -293,17 +294,28 @@ def _child_main(conn, stderr_path: str, sys_path: list[str], env: dict[str, str]
                 freeze_startup_heap()
             value = fn(*args, **kwargs)
             try:
-                reply = dumps(("ok", value))
+                reply = dumps(("ok", _poisoned_since(seq), value))
             except Exception as e:
-                reply = dumps(
-                    ("err", "UnpicklableResult", f"the worker's return value cannot be pickled: {e}", "")
-                )
+                reply = dumps(("err", _poisoned_since(seq), "UnpicklableResult",
+                               f"the worker's return value cannot be pickled: {e}", ""))
         except BaseException as e:  # report everything, SystemExit included, and keep serving
             tb = traceback.format_exc()
             print(tb, file=sys.stderr, flush=True)
-            reply = dumps(("err", type(e).__qualname__, str(e), tb))
+            reply = dumps(("err", _poisoned_since(seq), type(e).__qualname__, str(e), tb))
             del e
         _send_message(reader.fd, reply)
+
+
+def _ledger_seq() -> int:
+    led = sys.modules.get("cudagraph_lifecycle.ledger")
+    return -1 if led is None else led.ledger.seq
+
+
+def _poisoned_since(seq: int) -> bool:
+    """torch refused a capture on the default stream during the call, whether or not its error reached the
+    call's end (an engine that caught it and ran eagerly): this process's random ops are poisoned."""
+    led = sys.modules.get("cudagraph_lifecycle.ledger")
+    return led is not None and any(d.seq > seq and not d.refused for d in list(led.ledger.default_stream))
 
 
 _heap_frozen = False
@@ -359,7 +371,10 @@ def program_findings() -> list[dict]:
 def finding_key(f: dict) -> tuple:
     """What tells two findings apart across processes: pool ids are unique only within one (pid), pids are
     reused (the worker's child), and MPI ranks share a worker."""
-    return f.get("pid"), f.get("worker"), f.get("rank"), f["kind"], tuple(f["pool_id"]), f["device"]
+    key = f.get("pid"), f.get("worker"), f.get("rank"), f["kind"], tuple(f["pool_id"]), f["device"]
+    if f["kind"] == "default_stream_capture":  # about a line and a test, not a pool
+        key += (tuple(f.get("sites") or ()), tuple(f.get("tests") or ()))
+    return key
 
 
 def _main_callables() -> dict[str, Any]:
@@ -850,7 +865,9 @@ class ReusedWorker:
                 # answer the next call. End it now (promptly: no waiting for the call) and replace it.
                 self._replace()
                 raise
-            status, *rest = pickle.loads(reply)
+            status, poisoned, *rest = pickle.loads(reply)
+            if poisoned:
+                self._needs_restart = True  # its random ops are poisoned, whatever the call returned
             if status == "ok":
                 return rest[0]
             err = RemoteError(*rest)
@@ -882,7 +899,9 @@ class ReusedWorker:
             if not isinstance(e, WorkerError):
                 raise
             return False, None
-        status, *rest = pickle.loads(reply)
+        status, poisoned, *rest = pickle.loads(reply)
+        if poisoned:
+            self._needs_restart = True
         return (True, rest[0]) if status == "ok" else (False, None)
 
     def findings(self) -> list[dict]:

@@ -143,25 +143,27 @@ def default_stream_capture(sanitized):
     observe.acquire()  # watched either way; judged only under the sanitizer
     out = {}
     try:
-        begin_without_a_side_stream(torch.cuda.CUDAGraph())
-    except RuntimeError as e:
-        out["type"], out["message"] = type(e).__name__, str(e)
-        out["ours"] = isinstance(e, DefaultStreamCaptureError)
-    event = ledger.default_stream[-1] if ledger.default_stream else None
-    out["event"] = event and {"refused": event.refused, "site": event.site, "device": event.key[1]}
-    out["findings"] = [f.kind for f in san.findings()] if san else []
-    for name, op in (("random", lambda: torch.randn(4, device="cuda").sum().item()),
-                     ("side_stream_capture", lambda: _graph_of_one_op()),
-                     # does a capture that ends close the RNG's capture again? (not known yet: printed)
-                     ("random_after_a_capture", lambda: torch.randn(4, device="cuda").sum().item())):
         try:
-            op()
-            out[name] = "ok"
+            begin_without_a_side_stream(torch.cuda.CUDAGraph())
         except RuntimeError as e:
-            out[name] = str(e).splitlines()[0]
-    observe.release()
-    if san:
-        san.stop()
+            out["type"], out["message"] = type(e).__name__, str(e)
+            out["ours"] = isinstance(e, DefaultStreamCaptureError)
+        event = ledger.default_stream[-1] if ledger.default_stream else None
+        out["event"] = event and {"refused": event.refused, "site": event.site, "device": event.key[1]}
+        out["findings"] = [f.kind for f in san.findings()] if san else []
+        for name, op in (("random", lambda: torch.randn(4, device="cuda").sum().item()),
+                         ("side_stream_capture", lambda: _graph_of_one_op()),
+                         # does a capture that ends close the RNG's capture again? (not known yet: printed)
+                         ("random_after_a_capture", lambda: torch.randn(4, device="cuda").sum().item())):
+            try:
+                op()
+                out[name] = "ok"
+            except Exception as e:
+                out[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    finally:
+        observe.release()
+        if san:
+            san.stop()
     return out
 
 

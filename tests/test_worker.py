@@ -46,6 +46,17 @@ def capture_on_the_default_stream(sanitize):
     be.new_graph().capture_begin()
 
 
+def swallow_a_default_stream_capture():
+    from cudagraph_lifecycle import get_backend, observe
+
+    observe.acquire()  # watched (as in a worker that ran an engine cycle), not judged
+    try:
+        get_backend("sim").new_graph().capture_begin()
+    except RuntimeError:
+        pass  # an engine that runs eagerly when its capture fails
+    return os.getpid()
+
+
 def sim_random():
     from cudagraph_lifecycle import get_backend
 
@@ -122,6 +133,11 @@ def test_a_capture_on_the_default_stream_replaces_the_worker_unless_the_sanitize
     assert worker.call(sim_random) == (2, pid) if sanitize else worker.call(sim_random)[1] != pid
 
 
+def test_a_call_that_swallowed_torchs_default_stream_refusal_still_replaces_the_worker(worker):
+    pid = worker.call(swallow_a_default_stream_capture)  # returned normally: the ledger saw the refusal
+    assert worker.call(sim_random) == (2, worker.pid) and worker.pid != pid
+
+
 def test_an_ask_that_times_out_replaces_the_child_before_any_later_call():
     """A reply that comes after its ask gave up must not answer the next call."""
     with ReusedWorker(env={"CUDAGRAPH_SANITIZE": "on", "CUDAGRAPH_SANITIZE_BACKEND": "sim"}) as w:
@@ -144,6 +160,29 @@ def test_a_workers_findings_are_returned_once():
         (f,) = w.findings()
         assert f["kind"] == "pinned_pool" and f["worker"] and f["pid"] == w.pid
         assert w.findings() == []  # asked again: already returned
+
+
+def refuse_and_swallow(test):
+    from cudagraph_lifecycle import get_backend
+    from cudagraph_lifecycle.ledger import ledger
+
+    ledger.test = test
+    try:
+        get_backend("sim").new_graph().capture_begin()
+    except RuntimeError:
+        pass  # refused by the worker's sanitizer, caught by the "engine"
+    finally:
+        ledger.test = None
+
+
+def test_refused_default_stream_captures_of_two_tests_are_two_findings():
+    """Not about a pool (each says (0, 0)): two tests' refusals must not read as one finding."""
+    env = {"CUDAGRAPH_SANITIZE": "on", "CUDAGRAPH_SANITIZE_BACKEND": "sim"}
+    with ReusedWorker(env=env) as w:
+        w.call(refuse_and_swallow, "t.py::a")
+        assert [f["tests"] for f in w.findings()] == [["t.py::a"]]
+        w.call(refuse_and_swallow, "t.py::b")
+        assert [(f["kind"], f["tests"]) for f in w.findings()] == [("default_stream_capture", ["t.py::b"])]
 
 
 def test_closures_and_lambdas_travel_with_spawn():

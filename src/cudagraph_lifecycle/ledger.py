@@ -415,6 +415,9 @@ class Ledger:
                 del self.graphs[gid]
             for key in [k for k in self.minted if k[0] == world]:
                 del self.minted[key]
+            others = [d for d in self.default_stream if d.key[0] != world]  # (cleared in place: wrappers hold it)
+            self.default_stream.clear()
+            self.default_stream.extend(others)
 
     # the books ---------------------------------------------------------------------------------------
     def entry(self, world: Any, device: int, pool_id: PoolId) -> PoolEntry:

@@ -73,7 +73,9 @@ class GraphAPI:
       (``current_device()``, where given, reads the latter without a Python call, and ``process_cls._process``,
       where given and set, the former: captures are timed). ``on_default_stream(graph)``: whether a capture
       begun now would be on its device's default stream, which torch refuses only after opening the CUDA RNG's
-      capture (every later eager random op then fails), so a judge can refuse it first.
+      capture (every later eager random op then fails), so a judge can refuse it first;
+      ``current_stream(device)`` and ``default_stream(device)``, where given, read it without a Python frame
+      (their first items compared; captures are timed).
     * ``handles``: functions returning a new pool id; ``parse(args, kwargs, result) -> (backend, pool_id)``.
     * ``mempool_cls`` and ``mempool_parse(mp) -> (backend, device, pool_id)``: pool objects that hold a device
       reference of their own while alive.
@@ -90,6 +92,8 @@ class GraphAPI:
     current_device: Callable[[], int] | None = None
     process_cls: type | None = None  # one world per process: every graph's backend is this class's ``_process``
     on_default_stream: Callable[[Any], bool] | None = None
+    current_stream: Callable[[int], Any] | None = None
+    default_stream: Callable[[int], Any] | None = None
     handles: tuple[Hook, ...] = ()
     mempool_cls: type | None = None
     mempool_parse: Callable[[Any], tuple] | None = None

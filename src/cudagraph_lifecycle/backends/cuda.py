@@ -313,6 +313,8 @@ class CudaBackend(Backend):
             current_device=reader,
             process_cls=cls,
             on_default_stream=on_default_stream,
+            current_stream=current_stream if default_stream is not None else None,
+            default_stream=default_stream if current_stream is not None else None,
             handles=tuple(owners),
             mempool_cls=getattr(torch.cuda, "MemPool", None),
             mempool_parse=mempool,

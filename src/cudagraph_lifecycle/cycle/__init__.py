@@ -18,7 +18,17 @@ from ..sanitizer import global_sanitizer
 from .caller import OUTPUT_MODES, caller_copy, caller_of
 from .engine import PROTOCOL, Engine, check_pool_ids
 from .record import FAILING, STRICT_FAILING, VERDICTS, CycleRecord, Problem
-from .steps import budget, build, capture, check_held, exercise, failed, judge, settle
+from .steps import (
+    budget,
+    build,
+    capture,
+    check_held,
+    exercise,
+    failed,
+    judge,
+    refused_on_default_stream,
+    settle,
+)
 
 _observing = False
 
@@ -85,6 +95,7 @@ def run_cycle(
             raise
         except Exception as e:
             failed(e, rec, be, since, "capture" if engine is not None else "build")
+        refused_on_default_stream(rec, be, since)
         if rec.poisoned:  # nothing more can run on this allocator: the worker is replaced
             return [r.as_dict() for r in done] + [rec.as_dict()]
         previous = check_held(be, caller, set(ledger.pools_of_scope(be.world, label)))
@@ -98,6 +109,7 @@ def run_cycle(
                 raise
             except Exception as e:
                 failed(e, rec, be, since, "run")
+            refused_on_default_stream(rec, be, since)
             rec.pool_bytes = sum(be.pool_state(k[2], k[1]).reserved_bytes
                                  for k in ledger.pools_of_scope(be.world, label))
         if engine is not None and not rec.poisoned:

@@ -135,9 +135,7 @@ def failed(e: BaseException, rec: CycleRecord, be: Backend, since: int, step: st
         return
     if DEFAULT_STREAM_MARKER in str(e) and not isinstance(e, DefaultStreamCaptureError):
         rec.poisoned = True
-        rec.add("error", f"{type(e).__name__} during {step}: {first} -- torch refused a capture on the default "
-                "stream after opening the CUDA RNG's capture, so every later eager random op of this process fails "
-                f"(run the sanitizer to refuse it first). {SIDE_STREAM_FIX}")
+        rec.add("error", f"{type(e).__name__} during {step}: {first} -- {_POISONED_BY_REFUSAL}")
         return
     if isinstance(e, StalePoolError) or asserted:
         a = attempts[-1] if attempts else None
@@ -161,6 +159,24 @@ def failed(e: BaseException, rec: CycleRecord, be: Backend, since: int, step: st
                 "@pytest.mark.gpu to skip it where there is none, or build it through the backend it is given "
                 "(backend.torch_device(0), backend.randn, backend.new_graph)")
     rec.add("error", f"{type(e).__name__} during {step}: {first}{hint}")
+
+
+_POISONED_BY_REFUSAL = (
+    "torch refused a capture on the default stream after opening the CUDA RNG's capture, so every later eager "
+    "random op of this process fails. With a sanitizer (--cudagraph-sanitize=on or strict, CUDAGRAPH_SANITIZE=1, "
+    f"or a PoolSanitizer) the capture is refused before torch begins it. {SIDE_STREAM_FIX}")
+
+
+def refused_on_default_stream(rec: CycleRecord, be: Backend, since: int) -> None:
+    """torch refused a capture on the default stream during this cycle, and the engine went on (it caught the
+    error, ran eagerly): the process's random ops are poisoned all the same, as the ledger saw."""
+    if rec.poisoned:
+        return
+    seen = [d for d in list(ledger.default_stream) if d.seq > since and d.key[0] == be.world and not d.refused]
+    if seen:
+        rec.poisoned = True
+        rec.add("error", f"a capture on the default stream at {seen[-1].site or '(unknown)'}, whose error the engine "
+                f"caught: {_POISONED_BY_REFUSAL}")
 
 
 def check_held(be: Backend, caller: Caller, current: set[Key]) -> CycleRecord | None:

@@ -6,8 +6,9 @@ and go. Installing touches only Python attributes, so it can (and should) happen
 the wrappers cost nothing until a graph call. A forked child starts unobserved, with an empty ledger.
 
 Judges: a sanitizer registers one per allocator world (:func:`add_judge`); a capture into a dead pool of
-that world is recorded in the ledger, then handed to the judge, which raises before the allocator would
-assert. Without a judge the capture goes through (and the allocator decides).
+that world, a capture begun on its default stream, and (under expandable segments) a hazardous teardown are
+recorded in the ledger, then handed to the judge, which raises before torch would assert or poison the
+process. Without a judge the capture goes through (and torch decides).
 """
 
 from __future__ import annotations

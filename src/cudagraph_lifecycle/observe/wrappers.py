@@ -19,6 +19,7 @@ from ..ledger import CAPTURE_STACK_DEPTH as _DEPTH
 from ..ledger import DefaultStreamCapture, GraphEntry, Ledger, Stack, TeardownHazard
 
 TAG = "_cudagraph_ledger_entry"  # where a graph carries its ledger entry
+DEFAULT_STREAM_REFUSAL = "captured on a non-default stream"  # torch's words when it refuses the default stream
 
 # A judge decides what a capture into a dead pool does before the allocator sees it (raise, or let it
 # through): world -> the judges registered for it, the last one rules.
@@ -82,18 +83,21 @@ class Hooks:
         if rules:
             rules[-1](hazard)
 
-    def default_stream(self, be: Backend, device: int, pool: tuple | None, judged: bool) -> None:
-        """A capture begun on its device's default stream. ``judged``: before the original, where a judge rules
-        (it refuses: torch would refuse too, after opening the CUDA RNG's capture, which poisons every later
-        eager random op); otherwise after torch refused it, the process's random ops already poisoned."""
+    def default_stream(self, be: Backend, device: int, pool: tuple | None, rules: list[Judge] | None) -> None:
+        """A capture begun on its device's default stream. With ``rules`` (the world's judges, read before the
+        original), the last one rules before torch runs: it refuses (torch would refuse too, after opening the
+        CUDA RNG's capture, which poisons every later eager random op). Without, torch refused it: the process's
+        random ops are poisoned."""
         led = self.ledger
         where = Stack.here(2)
         event = DefaultStreamCapture((be.world, device), led.scope, led.next_seq(), led.test, str(where),
-                                     where.site(), pool, judged)
+                                     where.site(), pool, bool(rules))
         with led.lock:
             led.default_stream.append(event)
-        if judged:
-            self.judges[be.world][-1](event)
+        if rules:
+            rules[-1](event)
+            with led.lock:  # a judge that let it through: torch decides, and its refusal is recorded then
+                led.default_stream.remove(event)
 
     def register(self, g: GraphEntry, old: GraphEntry | None) -> None:
         """Count a capture the capture path only queued (applied at the ledger's next operation, under its lock,
@@ -160,6 +164,8 @@ def capture_begin(api: GraphAPI, hooks: Hooks, original, record: Callable[..., G
     backend_of, device_of, current_device, proc = api.graph_backend, api.capture_device, api.current_device, \
         api.process_cls
     on_default, judges = api.on_default_stream, hooks.judges
+    # CUDA's current and default stream as C functions: no Python frame on the timed path
+    stream_of, default_of, defaults = api.current_stream, api.default_stream, {}
     led = hooks.ledger
     pending_keys, dead, dead_ids = led.pending_keys, led.dead, led.dead.ids
     getframe, more, depth = sys._getframe, range(_DEPTH - 1), _DEPTH
@@ -191,14 +197,26 @@ def capture_begin(api: GraphAPI, hooks: Hooks, original, record: Callable[..., G
                 if key in dead:
                     hooks.judge(*key)
         # where a judge rules, a capture on the default stream is refused before torch poisons random ops
-        judged = judges and on_default is not None and judges.get(be.world) and on_default(graph)
-        if judged:
-            hooks.default_stream(be, device_of(graph), pool, judged=True)
+        rules = judges.get(be.world) if judges else None
+        if rules:
+            if device is None:
+                device = current_device() if current_device is not None else device_of(graph)
+            if stream_of is not None:
+                default = defaults.get(device)
+                if default is None:
+                    default = defaults[device] = default_of(device)[0]
+                if stream_of(device)[0] == default:
+                    hooks.default_stream(be, device, pool, rules)
+            elif on_default is not None and on_default(graph):
+                hooks.default_stream(be, device, pool, rules)
         try:
             original(graph, given, *args, **kwargs)
-        except BaseException:
-            if not judged and on_default is not None and on_default(graph):
-                hooks.default_stream(be, device_of(graph), pool, judged=False)
+        except Exception as e:
+            if DEFAULT_STREAM_REFUSAL in str(e):  # torch's refusal, not judged first: random ops are poisoned
+                try:
+                    hooks.default_stream(be, device_of(graph), pool, None)
+                except Exception:
+                    pass  # torch's error is what the caller must see
             raise
         if device is None:  # read after the original, which leaves what it reads warm
             device = current_device() if current_device is not None else device_of(graph)
@@ -229,7 +247,8 @@ class DirectCapture:
         d.end(graph); g.captured = True  # (only once the original capture_end returned)
 
     The ledger receives exactly what the wrappers would give it. Valid while both wrappers are the graph
-    class's methods (:func:`cudagraph_lifecycle.observe.direct_capture` checks)."""
+    class's methods (:func:`cudagraph_lifecycle.observe.direct_capture` checks). There is no default-stream
+    check: the caller captures on a side stream of its own (the runner's capture stream)."""
 
     def __init__(self, hooks: Hooks, begin, end, record: Callable[..., GraphEntry]):
         self.begin, self.end, self.record = begin, end, record
