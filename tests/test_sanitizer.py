@@ -458,3 +458,20 @@ def test_without_a_judge_the_default_stream_refusal_is_recorded_as_poisoning():
         assert "begin_on_the_default_stream" in event.site
         (f,) = PoolSanitizer(be).findings()  # a sanitizer of its world reports it (the findings read the ledger)
         assert f.kind == "default_stream_capture" and "every later eager random op" in f.message
+
+
+def test_a_judge_that_lets_a_default_stream_capture_through_leaves_torchs_refusal_recorded():
+    from cudagraph_lifecycle import observe
+
+    be, seen = SimBackend(), []
+    observe.acquire()
+    observe.add_judge(be.world, seen.append)  # rules, raises nothing
+    try:
+        with pytest.raises(RuntimeError, match="must be captured on a non-default stream"):
+            begin_on_the_default_stream(be.new_graph(), None)
+    finally:
+        observe.remove_judge(be.world, seen.append)
+        observe.release()
+    assert [e.refused for e in seen] == [True]  # asked first
+    mine = [d for d in ledger.default_stream if d.key[0] == be.world]
+    assert [d.refused for d in mine] == [False]  # then torch refused it: that is what happened
