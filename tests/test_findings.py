@@ -535,6 +535,23 @@ def test_an_engine_capturing_on_the_default_stream(cudagraph_worker, engine, san
         assert "test_findings.py" in p["message"] and "whose error the engine caught" in p["message"]
 
 
+def _swallowed_under_the_workers_sanitizer(strict):
+    from cudagraph_lifecycle.cycle import run_cycle
+
+    return run_cycle(SwallowingEngine, "sim", 0, test="t", strict=strict)
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_refused_capture_the_engine_caught_is_in_its_cycle(cudagraph_worker, strict):
+    """Under the worker's sanitizer the refusal never poisons, and the engine runs eagerly: the cycle still
+    carries the finding (the worker's own findings leave an engine's to its record), failing under strict."""
+    (rec,) = cudagraph_worker.call(_swallowed_under_the_workers_sanitizer, strict)
+    (p,) = rec["problems"]
+    assert p["kind"] == "sanitizer" and "default_stream_capture" in p["message"] and not rec["poisoned"]
+    assert "refused before torch ran it" in p["message"] and "in capture" in p["message"]
+    assert rec["failed"] is strict and [f["kind"] for f in rec["sanitizer"]] == ["default_stream_capture"]
+
+
 FALLS_BACK_TO_EAGER = """
 import pytest
 from cudagraph_lifecycle import get_backend

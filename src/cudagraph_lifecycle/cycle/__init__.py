@@ -140,8 +140,10 @@ def run_cycle(
                                       f"the budget of {max_growth} bytes (--cudagraph-max-growth)", rec.growth_bytes)
     san = global_sanitizer()
     if san is not None and san.backend.world == be.world:
-        # pinned pools and unreleased graphs are in the verdict already; what else the sanitizer saw:
-        found = [f for f in san.findings() if f.engine == label and f.kind == "pool_never_retired"]
+        # pinned pools and unreleased graphs are in the verdict already; what else the sanitizer saw (a capture
+        # it refused on the default stream, whose error the engine caught: it then ran eagerly):
+        found = [f for f in san.findings()
+                 if f.engine == label and f.kind in ("pool_never_retired", "default_stream_capture")]
         rec.sanitizer = [f.as_dict() for f in found]
         for f in found:
             rec.add("sanitizer", f"sanitizer {f.kind}: {f.message}", f.bytes)
