@@ -43,7 +43,7 @@ def budgets(node: pytest.Item) -> dict[str, Any]:
             out["max_pool_bytes"] = parse_bytes(out["max_pool_bytes"])
         except ValueError:
             raise ConfigError(f"cudagraph(max_pool_bytes={out['max_pool_bytes']!r}): give a size in bytes, an int "
-                              "or a string with KiB, MiB or GiB (e.g. '64MiB')") from None
+                              "or a string with KiB, MiB or GiB (or KB, MB, GB: powers of 10; e.g. '64MiB')") from None
     for key in ("max_pool_bytes", "max_captures"):
         v = out.get(key)
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
@@ -218,6 +218,10 @@ def engines_marker(node: pytest.Item) -> tuple[int, str, str | None, int | None]
     n = marker.kwargs.get("n", marker.args[0] if marker.args else 3)
     scope = marker.kwargs.get("scope", "function")
     sanitize = marker.kwargs.get("sanitize")
+    if isinstance(sanitize, str) and sanitize.strip().lower() in ("off", "on", "strict"):
+        sanitize = sanitize.strip().lower()  # as the options take it
+    if isinstance(scope, str) and scope.strip().lower() in SCOPES:
+        scope = scope.strip().lower()
     ranks = marker.kwargs.get("ranks")
     if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
         raise ConfigError(f"cudagraph_engines(n={n!r}): give a positive int number of engines")

@@ -16,7 +16,16 @@ import socket
 import sys
 from typing import Any
 
-from .worker import ReusedWorker, attribute_to, dumps_call, freeze_startup_heap, program_findings
+from .worker import (
+    ReusedWorker,
+    attribute_to,
+    dumps_call,
+    freeze_startup_heap,
+    ledger_seq,
+    poisoned_since,
+    poisons,
+    program_findings,
+)
 
 # Open MPI refuses root and more ranks than cores unless told: CI machines and containers are both.
 MPI_ENV = {
@@ -54,15 +63,18 @@ def _on_rank(payload: bytes) -> bytes:
     comm = MPI.COMM_WORLD
     comm.Barrier()  # every rank takes exactly one task of the batch
     rank = comm.Get_rank()
+    seq = ledger_seq()
     try:
         fn, args, kwargs, test = cloudpickle.loads(payload)
         attribute_to(test)
         freeze_startup_heap()  # as in a reused worker: once, before the first user code on this rank
-        return cloudpickle.dumps((rank, os.getpid(), "ok", fn(*args, **kwargs)))
+        value = fn(*args, **kwargs)
+        return cloudpickle.dumps((rank, os.getpid(), "ok", value, poisoned_since(seq)))
     except BaseException as e:
         import traceback
 
-        return cloudpickle.dumps((rank, os.getpid(), "err", (type(e).__qualname__, str(e), traceback.format_exc())))
+        return cloudpickle.dumps((rank, os.getpid(), "err", (type(e).__qualname__, str(e), traceback.format_exc()),
+                                  poisoned_since(seq)))
 
 
 def rank_dead(host: str, pid: int, here: str | None = None) -> bool:
@@ -119,7 +131,7 @@ def _call_all(ranks: int, payload: bytes, path: list[str]) -> list[tuple]:
         _executor = MPIPoolExecutor(max_workers=ranks, path=path)
         _executor_size = ranks
         _rank_procs.clear()
-        for rank, pid, _, host in _run_batch(ranks, cloudpickle.dumps((socket.gethostname, (), {}, None))):
+        for rank, pid, _, host, _ in _run_batch(ranks, cloudpickle.dumps((socket.gethostname, (), {}, None))):
             _rank_procs[rank] = (host, pid)
     return _run_batch(ranks, payload)
 
@@ -127,7 +139,7 @@ def _call_all(ranks: int, payload: bytes, path: list[str]) -> list[tuple]:
 def _ranks_findings(ranks: int, path: list[str]) -> list[dict]:
     """Runs in the controller: what each rank's program-wide sanitizer found, with its rank."""
     results = _call_all(ranks, dumps_call(program_findings, (), {}), path)
-    return [{**f, "rank": rank} for rank, _, status, found in results if status == "ok" for f in found]
+    return [{**f, "rank": rank} for rank, _, status, found, _ in results if status == "ok" for f in found]
 
 
 class RankError(Exception):
@@ -164,10 +176,12 @@ class MPIRanks:
     def call_all(self, fn, *args: Any, **kwargs: Any) -> list[tuple[int, int, Any]]:
         payload = dumps_call(fn, args, kwargs)
         results = self.controller.call(_call_all, self.ranks, payload, list(sys.path))
-        failures = [(rank, pid, v) for rank, pid, status, v in results if status == "err"]
+        failures = [(rank, pid, v) for rank, pid, status, v, _ in results if status == "err"]
+        if any(r[4] for r in results) or any(poisons(t, m) for _, _, (t, m, _) in failures):
+            self.restart_before_next_call()  # a rank's random ops (or its allocator) are poisoned
         if failures:
             raise RankError(failures)
-        return [(rank, pid, v) for rank, pid, _, v in results]
+        return [(rank, pid, v) for rank, pid, _, v, _ in results]
 
     def restart_before_next_call(self) -> None:
         """A rank's CUDA is unusable (the allocator asserted): start fresh ranks at the next call."""

@@ -16,6 +16,8 @@ import tempfile
 
 import pytest
 
+from cudagraph_lifecycle.choices import checked_from_env
+
 from . import report as reporting
 from . import settings, terminal
 from .fixtures import (  # noqa: F401 - fixtures are registered by import
@@ -91,9 +93,10 @@ def pytest_configure(config: pytest.Config) -> None:
         "scope of the reused worker that holds them (function, module or session), a per-test sanitizer mode, and "
         "MPI ranks",
     )
-    env_error = getattr(sys.modules.get("cudagraph_lifecycle"), "ENV_ERROR", None)
-    if env_error is not None:  # CUDAGRAPH_SANITIZE (and its companions) read at the package's import
-        raise pytest.UsageError(str(env_error))
+    try:  # read by the runners in workers: a bad value stops the session here, not a test there
+        checked_from_env(os.environ)
+    except ValueError as e:
+        raise pytest.UsageError(str(e)) from None
     problem = forked_incompatibility(pytest.__version__, bool(getattr(config.option, "forked", False)))
     if problem:
         raise pytest.UsageError(problem)
@@ -269,7 +272,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         if n and session.exitstatus == pytest.ExitCode.OK:
             session.exitstatus = exitstatus = pytest.ExitCode.TESTS_FAILED
     if s["report"]:
-        effective_backend(config)  # an xdist controller ran no test: what its workers resolved, read the same way
+        if reporting.rows(state) or state.get("session_findings"):
+            effective_backend(config)  # an xdist controller ran no test: what its workers resolved, read alike
         reporting.write(s["report"], s, state, exitstatus)
 
 

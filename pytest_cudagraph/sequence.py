@@ -4,6 +4,8 @@ MPI ranks), each judged after its release from what the process observed its gra
 from __future__ import annotations
 
 import json
+import numbers
+import operator
 import os
 import re
 import tempfile
@@ -118,14 +120,19 @@ class EngineSequence:
         from cudagraph_lifecycle.errors import ConfigError
 
         n = self._default_n if n is None else n
-        if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
+        try:
+            count = operator.index(n) if not isinstance(n, bool) else None  # an int, numpy's included
+        except TypeError:
+            count = None
+        if count is None or count <= 0:
             raise ConfigError(f"engine_sequence(n={n!r}): give n >= 1 engines, an int")
+        n = count
         if not callable(factory):
             raise ConfigError(f"engine_sequence needs a factory callable(backend) -> engine, got {factory!r}")
         if output not in OUTPUTS:
             raise ConfigError(f"engine_sequence(output={output!r}): choose 'hold' (the caller keeps the last "
                               "output, a view into the pool) or 'drop' (the caller copies it out)")
-        if isinstance(atol, bool) or not isinstance(atol, (int, float)) or not atol >= 0:
+        if isinstance(atol, bool) or not isinstance(atol, numbers.Real) or not atol >= 0:
             raise ConfigError(f"engine_sequence(atol={atol!r}): give the largest absolute difference allowed "
                               "between replay and eager, a number >= 0 (default 1e-4)")
         if reload is not None and not callable(reload):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 
@@ -88,31 +88,47 @@ def where(o: Option, source: str) -> str:
     return {"cli": f"--cudagraph-{o.name}", "env": o.env, "ini": f"ini key {o.ini}"}[source]
 
 
-def setting(o: Option, source: str, value: Any, section: str = "[pytest]") -> str:
-    """How to write ``value`` where the user set the option: ``--cudagraph-x=v``, ``VAR=v``, or the ini line
-    in the ini file's section."""
-    return f"`{o.ini} = {value}` in the {section} section" if source == "ini" else f"{where(o, source)}={value}"
+class IniFile(NamedTuple):
+    """Where pytest's settings live for this session: the section, the file's name, and whether it is TOML
+    (where a string value needs quotes)."""
+
+    section: str = "[pytest]"
+    name: str = "pytest.ini"
+    toml: bool = False
 
 
-def ini_section(config: pytest.Config) -> str:
-    """The section pytest's settings live in, in the file the user has: ``[pytest]`` of pytest.ini or tox.ini,
-    ``[tool:pytest]`` of setup.cfg, ``[tool.pytest.ini_options]`` (or pytest 9's ``[tool.pytest]``) of
-    pyproject.toml."""
+PYTEST_INI = IniFile()
+
+
+def setting(o: Option, source: str, value: Any, ini: IniFile = PYTEST_INI) -> str:
+    """How to write ``value`` where the user set the option: ``--cudagraph-x=v``, ``VAR=v``, or the line of
+    the ini file the user has, in its section."""
+    if source != "ini":
+        return f"{where(o, source)}={value}"
+    text = f'"{value}"' if ini.toml and isinstance(value, str) else value
+    return f"`{o.ini} = {text}` in the {ini.section} section of {ini.name}"
+
+
+def ini_file(config: pytest.Config) -> IniFile:
+    """``[pytest]`` of pytest.ini, tox.ini or pytest 9's pytest.toml; ``[tool:pytest]`` of setup.cfg;
+    ``[tool.pytest.ini_options]`` (or pytest 9's ``[tool.pytest]``) of pyproject.toml."""
     path = config.inipath
-    if path is None or path.name in ("pytest.ini", ".pytest.ini", "tox.ini"):
-        return "[pytest]"
+    if path is None:
+        return IniFile()
     if path.name == "setup.cfg":
-        return "[tool:pytest]"
-    if path.suffix == ".toml":
-        try:
-            import tomllib
+        return IniFile("[tool:pytest]", path.name)
+    if path.suffix != ".toml":
+        return IniFile("[pytest]", path.name)
+    if path.name != "pyproject.toml":  # pytest.toml, .pytest.toml
+        return IniFile("[pytest]", path.name, True)
+    try:
+        import tomllib
 
-            tool = tomllib.loads(path.read_text()).get("tool", {}).get("pytest", {})
-        except (ImportError, OSError, ValueError):
-            tool = {}
-        return "[tool.pytest.ini_options]" if "ini_options" in tool else "[tool.pytest]" if tool else \
-            "[tool.pytest.ini_options]"
-    return "[pytest]"
+        tool = tomllib.loads(path.read_text()).get("tool", {}).get("pytest", {})
+    except (ImportError, OSError, ValueError):
+        tool = {}
+    native = bool(tool) and "ini_options" not in tool
+    return IniFile("[tool.pytest]" if native else "[tool.pytest.ini_options]", path.name, True)
 
 
 def unset(s: dict[str, Any], key: str) -> str:
@@ -135,7 +151,7 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
-def _convert(o: Option, raw: Any, source: str, section: str = "[pytest]") -> Any:
+def _convert(o: Option, raw: Any, source: str, ini: IniFile = PYTEST_INI) -> Any:
     name = where(o, source)
     if o.kind == "bool":
         if isinstance(raw, bool):
@@ -152,13 +168,13 @@ def _convert(o: Option, raw: Any, source: str, section: str = "[pytest]") -> Any
         except ValueError:
             raise pytest.UsageError(
                 f"{name}={raw!r} is not a size in bytes: give an integer, optionally with KiB, MiB or GiB "
-                f"(or KB, MB, GB: powers of 10; e.g. {setting(o, source, '64MiB', section)})") from None
+                f"(or KB, MB, GB: powers of 10; e.g. {setting(o, source, '64MiB', ini)})") from None
     if o.kind in _NUMBERS:
         cast, lowest, what, example = _NUMBERS[o.kind]
         try:
             value = cast(raw)
         except (TypeError, ValueError):
-            raise pytest.UsageError(f"{name}={raw!r} is not {what}: e.g. {setting(o, source, example, section)}") from None
+            raise pytest.UsageError(f"{name}={raw!r} is not {what}: e.g. {setting(o, source, example, ini)}") from None
         if value < lowest:
             raise pytest.UsageError(
                 f"{name}={raw!r} is below {lowest} ({'0 means no limit' if lowest == 0 else 'give a positive number'})")
@@ -174,14 +190,14 @@ def _convert(o: Option, raw: Any, source: str, section: str = "[pytest]") -> Any
 def resolve(config: pytest.Config) -> dict[str, Any]:
     """Each setting's value, and in ``sources`` where it came from (cli, env, ini or default)."""
     out: dict[str, Any] = {"sources": {}, "raw": {}}
-    section = ini_section(config)
+    ini = ini_file(config)
     for o in OPTIONS:
         key = o.name.replace("-", "_")
         candidates = (("cli", config.getoption("cudagraph_" + key)), ("env", os.environ.get(o.env)),
                       ("ini", _ini(config, o.ini)))
         for source, raw in candidates:
             if raw not in (None, "", []):
-                out[key] = _convert(o, raw, source, section)
+                out[key] = _convert(o, raw, source, ini)
                 out["sources"][key] = source
                 out["raw"][key] = raw  # as the user wrote it, for messages
                 break
@@ -200,7 +216,8 @@ def _ini(config: pytest.Config, name: str) -> Any:
         raw = getattr(getattr(config, "_inicfg", {}).get(name), "value", None)
         if isinstance(raw, (bool, int, float)):
             return raw
-        raise
+        raise pytest.UsageError(f"ini key {name}={raw!r} is not a single value: give a string, a number or a "
+                                "boolean") from None
 
 
 def describe_source(s: dict[str, Any], key: str) -> str:

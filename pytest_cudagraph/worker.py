@@ -193,7 +193,12 @@ class RemoteError(WorkerError):
 
     @property
     def poisons_process(self) -> bool:
-        return self.type_name not in _PREVENTED and any(m in self.remote_message for m in _POISON_MARKERS)
+        return poisons(self.type_name, self.remote_message)
+
+
+def poisons(type_name: str, message: str) -> bool:
+    """Whether an error a child raised leaves that process of no use (its CUDA or its random ops)."""
+    return type_name not in _PREVENTED and any(m in message for m in _POISON_MARKERS)
 
 
 class UnpicklableCallableError(WorkerError, TypeError):
@@ -285,7 +290,7 @@ def _child_main(conn, stderr_path: str, sys_path: list[str], env: dict[str, str]
             return
         if not payload:
             return
-        seq = _ledger_seq()
+        seq = ledger_seq()
         try:
             fn, args, kwargs, test = pickle.loads(payload)
             if test is not None:
@@ -294,24 +299,24 @@ def _child_main(conn, stderr_path: str, sys_path: list[str], env: dict[str, str]
                 freeze_startup_heap()
             value = fn(*args, **kwargs)
             try:
-                reply = dumps(("ok", _poisoned_since(seq), value))
+                reply = dumps(("ok", poisoned_since(seq), value))
             except Exception as e:
-                reply = dumps(("err", _poisoned_since(seq), "UnpicklableResult",
+                reply = dumps(("err", poisoned_since(seq), "UnpicklableResult",
                                f"the worker's return value cannot be pickled: {e}", ""))
         except BaseException as e:  # report everything, SystemExit included, and keep serving
             tb = traceback.format_exc()
             print(tb, file=sys.stderr, flush=True)
-            reply = dumps(("err", _poisoned_since(seq), type(e).__qualname__, str(e), tb))
+            reply = dumps(("err", poisoned_since(seq), type(e).__qualname__, str(e), tb))
             del e
         _send_message(reader.fd, reply)
 
 
-def _ledger_seq() -> int:
+def ledger_seq() -> int:
     led = sys.modules.get("cudagraph_lifecycle.ledger")
     return -1 if led is None else led.ledger.seq
 
 
-def _poisoned_since(seq: int) -> bool:
+def poisoned_since(seq: int) -> bool:
     """torch refused a capture on the default stream during the call, whether or not its error reached the
     call's end (an engine that caught it and ran eagerly): this process's random ops are poisoned."""
     led = sys.modules.get("cudagraph_lifecycle.ledger")

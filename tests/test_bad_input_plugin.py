@@ -42,6 +42,8 @@ OPTIONS = [
     ("worker cli", ["--cudagraph-worker=threads"], {}, "", "--cudagraph-worker='threads' is not one of: fork, mpi"),
     ("start method ini", [], {}, "cudagraph_start_method = thread", "ini key cudagraph_start_method='thread' is not one of"),
     ("require-gpu env", [], {"CUDAGRAPH_REQUIRE_GPU": "maybe"}, "", "CUDAGRAPH_REQUIRE_GPU='maybe' is not a boolean"),
+    ("checked env", [], {"CUDAGRAPH_CHECKED": "maybe"}, "",
+     "CUDAGRAPH_CHECKED='maybe' is not a boolean: set it to 1 (checked mode for every runner that does not choose)"),
     ("report folder cli", ["--cudagraph-report=/nonexistent/dir/r.json"], {}, "",
      "--cudagraph-report=/nonexistent/dir/r.json: the folder /nonexistent/dir does not exist; create it (mkdir -p"),
     ("report folder env", [], {"CUDAGRAPH_REPORT": "/nonexistent/dir/r.json"}, "",
@@ -88,6 +90,7 @@ def test_variables_read_at_the_librarys_import(pytester, monkeypatch, what, env,
     assert f"ERROR: {words}" in res.stderr.str() and "Traceback" not in res.stderr.str(), res.stderr.str()
 
 
+@pytest.mark.skipif(pytest.version_tuple < (9,), reason="the native [tool.pytest] table is pytest 9's")
 def test_native_toml_numbers_and_booleans(pytester):
     """pytest 9's [tool.pytest] table holds native numbers and booleans: taken, and checked like any value."""
     pytester.makepyprojecttoml("[tool.pytest]\ncudagraph_timeout = 30\ncudagraph_require_gpu = false\n"
@@ -100,9 +103,27 @@ def test_native_toml_numbers_and_booleans(pytester):
     pytester.makepyprojecttoml("[tool.pytest]\ncudagraph_timeout = -3\n")
     res = pytester.runpytest_inprocess("-p", "cudagraph")
     assert res.ret == pytest.ExitCode.USAGE_ERROR and "ini key cudagraph_timeout=-3 is below 0" in res.stderr.str()
-    pytester.makepyprojecttoml("[tool.pytest.ini_options]\ncudagraph_timeout = 'soon'\n")
-    res = pytester.runpytest_inprocess("-p", "cudagraph")  # the example is written for the file the user has
-    assert "e.g. `cudagraph_timeout = 120` in the [tool.pytest.ini_options] section" in res.stderr.str()
+    pytester.makepyprojecttoml("[tool.pytest]\ncudagraph_report = ['a.json']\n")
+    res = pytester.runpytest_inprocess("-p", "cudagraph")  # a list where a value goes: pytest's TypeError
+    assert res.ret == pytest.ExitCode.USAGE_ERROR, res.stderr.str()
+    assert "ini key cudagraph_report=['a.json'] is not a single value" in res.stderr.str()
+
+
+@pytest.mark.parametrize("name, text, words", [
+    ("pyproject.toml", "[tool.pytest.ini_options]\ncudagraph_max_growth = 'lots'\n",
+     "e.g. `cudagraph_max_growth = \"64MiB\"` in the [tool.pytest.ini_options] section of pyproject.toml"),
+    ("pytest.toml", "[pytest]\ncudagraph_max_growth = 'lots'\n",
+     "e.g. `cudagraph_max_growth = \"64MiB\"` in the [pytest] section of pytest.toml"),
+    ("setup.cfg", "[tool:pytest]\ncudagraph_timeout = soon\n",
+     "e.g. `cudagraph_timeout = 120` in the [tool:pytest] section of setup.cfg"),
+])
+def test_an_ini_example_is_written_for_the_file_the_user_has(pytester, name, text, words):
+    if name == "pytest.toml" and pytest.version_tuple < (9,):
+        pytest.skip("pytest.toml is read from pytest 9")
+    (pytester.path / name).write_text(text)
+    pytester.makepyfile(test_a=PLAIN_TEST)
+    res = pytester.runpytest_inprocess("-p", "cudagraph")
+    assert res.ret == pytest.ExitCode.USAGE_ERROR and words in res.stderr.str(), res.stderr.str()
 
 
 @pytest.mark.parametrize("what, args, env, ini, words", OPTIONS, ids=[r[0] for r in OPTIONS])

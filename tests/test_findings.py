@@ -535,17 +535,23 @@ def test_an_engine_capturing_on_the_default_stream(cudagraph_worker, engine, san
         assert "test_findings.py" in p["message"] and "whose error the engine caught" in p["message"]
 
 
-def _swallowed_under_the_workers_sanitizer(strict):
+def _under_the_workers_sanitizer(engine, strict=False):
     from cudagraph_lifecycle.cycle import run_cycle
 
-    return run_cycle(SwallowingEngine, "sim", 0, test="t", strict=strict)
+    return run_cycle(engine, "sim", 0, test="t", strict=strict)
+
+
+def test_a_refused_capture_that_reached_the_cycle_is_one_problem(cudagraph_worker):
+    (rec,) = cudagraph_worker.call(_under_the_workers_sanitizer, DefaultStreamEngine)
+    assert [p["kind"] for p in rec["problems"]] == ["error"] and not rec["poisoned"]
+    assert rec["problems"][0]["message"].startswith("DefaultStreamCaptureError during capture")
 
 
 @pytest.mark.parametrize("strict", [False, True])
 def test_a_refused_capture_the_engine_caught_is_in_its_cycle(cudagraph_worker, strict):
     """Under the worker's sanitizer the refusal never poisons, and the engine runs eagerly: the cycle still
     carries the finding (the worker's own findings leave an engine's to its record), failing under strict."""
-    (rec,) = cudagraph_worker.call(_swallowed_under_the_workers_sanitizer, strict)
+    (rec,) = cudagraph_worker.call(_under_the_workers_sanitizer, SwallowingEngine, strict)
     (p,) = rec["problems"]
     assert p["kind"] == "sanitizer" and "default_stream_capture" in p["message"] and not rec["poisoned"]
     assert "refused before torch ran it" in p["message"] and "in capture" in p["message"]

@@ -199,3 +199,34 @@ def test_a_zombie_rank_on_this_host_is_dead():
         assert rank_dead(socket.gethostname(), child.pid)
     finally:
         child.wait()
+
+
+@needs_mpi
+def test_ranks_whose_random_ops_were_poisoned_are_replaced(pytester):
+    """torch's refusal of a capture on the default stream poisons a rank's random ops, whether the call raised
+    it or caught it: the next call gets fresh ranks."""
+    pytester.makepyfile(test_a='''
+        import os
+
+        def caught():
+            from cudagraph_lifecycle import get_backend, observe
+            from cudagraph_lifecycle.sanitizer import global_sanitizer
+            if global_sanitizer() is not None:
+                global_sanitizer().stop()  # unjudged: torch's own refusal
+            observe.acquire()
+            try:
+                get_backend("sim").new_graph().capture_begin()
+            except RuntimeError:
+                pass
+            return os.getpid()
+
+        def random():
+            from cudagraph_lifecycle import get_backend
+            return get_backend("sim").randn(2).numel(), os.getpid()
+
+        def test_ranks(cudagraph_mpi_ranks):
+            before = {pid for _, _, pid in cudagraph_mpi_ranks.call_all(caught)}
+            after = cudagraph_mpi_ranks.call_all(random)
+            assert [v[0] for _, _, v in after] == [2, 2] and not before & {v[1] for _, _, v in after}
+    ''')
+    run(pytester, "--cudagraph-timeout=60").assert_outcomes(passed=1)

@@ -221,6 +221,10 @@ def test_the_command_runs_a_module_as_python_m_does(tmp_path):
                        text=True, env=env, timeout=120, cwd=tmp_path)
     assert p.returncode == 1 and p.stdout == "served\n", p.stderr[-2000:]  # strict: the clean exit fails
     assert p.stderr.startswith(PINNED_LINE.format(tmp_path / "servemod.py")) and WHAT_PINS in p.stderr, p.stderr
+    (tmp_path / "bare.py").write_text("print(sorted(k for k in globals() if not k.startswith('__')))\n")
+    bare = subprocess.run([sys.executable, "-m", COMMAND, "-m", "bare"], capture_output=True, text=True, env=env,
+                          timeout=120, cwd=tmp_path)
+    assert bare.stdout == "[]\n", bare.stdout + bare.stderr  # its own namespace, as under `python -m`
     missing = subprocess.run([sys.executable, "-m", COMMAND, "-m", "nosuchmod"], capture_output=True, text=True,
                              env=env, timeout=120, cwd=tmp_path)
     assert missing.returncode == 1 and "No module named nosuchmod" in missing.stderr, missing.stderr

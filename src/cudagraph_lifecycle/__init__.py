@@ -88,14 +88,7 @@ if os.environ.get("CUDAGRAPH_SANITIZE", "").strip().lower() not in SANITIZE_ENV_
         and not _run_as_sanitizer_command():
     from .sanitizer import install_from_env as _install
 
-    try:
-        _install(report_at_exit=True)  # a sanitizer for the whole program, its findings printed at exit
-    except (ConfigError, BackendUnavailableError) as _e:
-        if "pytest_cudagraph" not in sys.modules:
-            raise
-        # imported by the pytest plugin while it loads: it reports the setting as a usage error (pytest's
-        # exit code 4 and one line), not as a traceback out of loading a plugin
-        ENV_ERROR: Exception | None = _e
+    _install(report_at_exit=True)  # a sanitizer for the whole program, its findings printed at exit
 
 __all__ = [
     "Backend",

@@ -11,3 +11,18 @@ POOL_MODES = ("auto", "mempool", "handle")
 EXPANDABLE_TEARDOWN = ("refuse", "report")
 # CUDAGRAPH_SANITIZE values that install no program-wide sanitizer
 SANITIZE_ENV_OFF = ("", "0", "off", "false", "no")
+
+
+def checked_from_env(environ) -> bool:
+    """``CUDAGRAPH_CHECKED``: checked mode for every runner that does not choose; anything but a boolean is an
+    error naming the variable."""
+    from .errors import ConfigError
+
+    raw = environ.get("CUDAGRAPH_CHECKED", "")
+    value = raw.strip().lower()
+    if value in ("1", "true", "on", "yes"):
+        return True
+    if value in ("", "0", "false", "off", "no"):
+        return False
+    raise ConfigError(f"CUDAGRAPH_CHECKED={raw!r} is not a boolean: set it to 1 (checked mode for every runner that "
+                      "does not choose) or 0, or unset it")

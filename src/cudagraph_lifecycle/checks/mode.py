@@ -11,6 +11,7 @@ import os
 import threading
 from collections.abc import Iterable
 
+from ..choices import checked_from_env
 from ..errors import ConfigError
 
 # The checks a runner can run, each alone or together: "capture" watches each capture op by op (what it reads,
@@ -23,16 +24,8 @@ _strict_holders = 0
 
 
 def enabled() -> bool:
-    if _strict_holders > 0:
-        return True
-    raw = os.environ.get("CUDAGRAPH_CHECKED", "")
-    value = raw.strip().lower()
-    if value in ("1", "true", "on", "yes"):
-        return True
-    if value in ("", "0", "false", "off", "no"):
-        return False
-    raise ConfigError(f"CUDAGRAPH_CHECKED={raw!r} is not a boolean: set it to 1 (checked mode for every runner that "
-                      "does not choose) or 0, or unset it")
+    from_env = checked_from_env(os.environ)  # read first: a bad value is an error even while strict holds it
+    return _strict_holders > 0 or from_env
 
 
 def hold() -> None:

@@ -142,8 +142,9 @@ def run_cycle(
     if san is not None and san.backend.world == be.world:
         # pinned pools and unreleased graphs are in the verdict already; what else the sanitizer saw (a capture
         # it refused on the default stream, whose error the engine caught: it then ran eagerly):
-        found = [f for f in san.findings()
-                 if f.engine == label and f.kind in ("pool_never_retired", "default_stream_capture")]
+        raised = any(p.message.startswith("DefaultStreamCaptureError") for p in rec.problems)  # (in it already)
+        found = [f for f in san.findings() if f.engine == label and (
+            f.kind == "pool_never_retired" or (f.kind == "default_stream_capture" and not raised))]
         rec.sanitizer = [f.as_dict() for f in found]
         for f in found:
             rec.add("sanitizer", f"sanitizer {f.kind}: {f.message}", f.bytes)

@@ -113,16 +113,19 @@ def direct_capture(graph_cls: type) -> wrappers.DirectCapture | None:
 
 
 def add_judge(world: Any, judge: Judge) -> None:
-    with _lock:
-        _judges.setdefault(world, []).append(judge)
+    with _lock:  # a new list, never changed: a capture in another thread reads the one it got whole
+        _judges[world] = [*_judges.get(world, []), judge]
 
 
 def remove_judge(world: Any, judge: Judge) -> None:
     with _lock:
-        rules = _judges.get(world, [])
-        if judge in rules:
-            rules.remove(judge)
-        if not rules:
+        rules = list(_judges.get(world, []))
+        if judge not in rules:
+            return
+        rules.remove(judge)
+        if rules:
+            _judges[world] = rules
+        else:
             _judges.pop(world, None)
 
 

@@ -100,6 +100,9 @@ def _execute(path: str) -> int | str | None:
 def _execute_module(name: str) -> int | str | None:
     """A module as ``python -m NAME`` runs it: found on ``sys.path``, run as ``__main__``, which it stays
     (runpy's own entry for ``-m``; its errors, such as no module of that name, as Python words them)."""
+    main = types.ModuleType("__main__")  # its own namespace, not this command's __main__'s
+    main.__builtins__ = builtins
+    sys.modules["__main__"] = main
     try:
         runpy._run_module_as_main(name)
         return 0

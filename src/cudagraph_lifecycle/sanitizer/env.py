@@ -40,7 +40,7 @@ def install_from_env(environ: dict[str, str] | None = None, *, report_at_exit: b
         raise ConfigError(
             f"CUDAGRAPH_EXPANDABLE_TEARDOWN={env.get('CUDAGRAPH_EXPANDABLE_TEARDOWN')!r}: set it to refuse (the "
             "default: a pool torn down with live blocks under expandable segments is not reset) or report")
-    kind = env.get("CUDAGRAPH_SANITIZE_BACKEND", "auto").strip() or "auto"
+    kind = env.get("CUDAGRAPH_SANITIZE_BACKEND", "auto").strip().lower() or "auto"
     try:
         backend = get_backend(kind)
     except ConfigError as e:
