@@ -12,7 +12,7 @@ import pytest
 from .mpi import MPIRanks
 from .report import FINDINGS, STRICT_FAILURE
 from .sequence import EngineSequence
-from .settings import SETTINGS_KEY, STATE_KEY, describe_source, effective_backend, parse_bytes
+from .settings import CALL_FAILED, SETTINGS_KEY, STATE_KEY, describe_source, effective_backend, parse_bytes
 from .worker import ReusedWorker
 
 SCOPES = ("function", "module", "session")
@@ -24,6 +24,16 @@ def _as_written(marker: pytest.Mark) -> str:
     """A marker as the user wrote it: ``cudagraph_engines(3, sanitise='strict')``."""
     args = [repr(a) for a in marker.args] + [f"{k}={v!r}" for k, v in marker.kwargs.items()]
     return f"{marker.name}({', '.join(args)})"
+
+
+def _marker_checked(check, node: pytest.Item):
+    """A marker's arguments, checked: a wrong one fails the test with its message alone (no plugin source)."""
+    from cudagraph_lifecycle.errors import ConfigError
+
+    try:
+        return check(node)
+    except ConfigError as e:
+        pytest.fail(f"ConfigError: {e}", pytrace=False)
 
 
 def budgets(node: pytest.Item) -> dict[str, Any]:
@@ -108,7 +118,7 @@ def _cudagraph_sanitize(request: pytest.FixtureRequest):
     from cudagraph_lifecycle.sanitizer import PoolSanitizer
 
     nodeid = request.node.nodeid
-    limits = budgets(request.node)
+    limits = _marker_checked(budgets, request.node)
     backend = get_backend(effective_backend(request.config))
     san = PoolSanitizer(backend, mode=s["sanitize"], scope=nodeid,
                         expandable_teardown=s["expandable_teardown"]).start()
@@ -128,7 +138,8 @@ def _cudagraph_sanitize(request: pytest.FixtureRequest):
     if found:
         pid = os.getpid()  # (a program-wide sanitizer in this process may report the same pools: report.py)
         request.node.user_properties.append((FINDINGS, json.dumps([{**f.as_dict(), "pid": pid} for f in found])))
-    if found and s["sanitize"] == "strict":
+    if found and s["sanitize"] == "strict" and not request.node.stash.get(CALL_FAILED, False):
+        # (a test that failed already, e.g. on the refusal these findings record, is not failed again)
         request.node.user_properties.append((STRICT_FAILURE, "1"))
         pytest.fail("pool sanitizer findings:\n" + "\n".join(f"- {f.kind}: {f.message}" for f in found),
                     pytrace=False)
@@ -244,8 +255,8 @@ def engine_sequence(request: pytest.FixtureRequest, pytestconfig: pytest.Config)
     sets the default engine count, which worker holds them (a module or session worker keeps state across
     tests), a per-test sanitizer mode, and MPI ranks.
     """
-    n, scope, sanitize, ranks = engines_marker(request.node)
-    s = {**_settings(pytestconfig), "budgets": budgets(request.node)}
+    n, scope, sanitize, ranks = _marker_checked(engines_marker, request.node)
+    s = {**_settings(pytestconfig), "budgets": _marker_checked(budgets, request.node)}
     if s["worker"] == "mpi" or ranks is not None:
         if scope == "module" and ranks is None:
             holder = request.getfixturevalue("cudagraph_mpi_ranks")

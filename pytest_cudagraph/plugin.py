@@ -31,7 +31,7 @@ from .fixtures import (  # noqa: F401 - fixtures are registered by import
 )
 from .gpu import pin_xdist_worker
 from .mpi import mpi_unavailable_reason
-from .settings import SETTINGS_KEY, STATE_KEY, effective_backend
+from .settings import CALL_FAILED, SETTINGS_KEY, STATE_KEY, effective_backend
 from .worker import close_all_workers, resolve_start_method
 
 MARKERS = ("cudagraph", "gpu", "mpi", "cudagraph_engines")
@@ -188,15 +188,22 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem):
 def pytest_runtest_makereport(item: pytest.Item, call):
     outcome = yield
     rep = outcome.get_result()
+    if rep.when == "call":
+        item.stash[CALL_FAILED] = rep.failed
     if rep.failed and item.get_closest_marker("cudagraph") is not None:
         _snapshot_in_process(item, rep)
-    note = terminal.poison_note(call.excinfo.value) if rep.failed and call.excinfo is not None else None
+    state = item.config.stash[STATE_KEY]
+    note = None
+    if rep.failed and call.excinfo is not None:
+        note = terminal.poison_note(call.excinfo.value, state.get("refusals", []))
+        if note and note.startswith(terminal.REFUSAL_NOTE):  # named in the notes of the tests it poisons
+            state.setdefault("refusals", []).append(f"{item.nodeid} at {terminal.refusal_site(call.excinfo)}")
     if note:
         if hasattr(rep.longrepr, "addsection"):  # shown under the failure whatever --show-capture says
             rep.longrepr.addsection("cudagraph", note)
         else:
             rep.sections.append(("cudagraph", note))
-    reporting.record(item.config.stash[STATE_KEY], rep)
+    reporting.record(state, rep)
 
 
 def _snapshot_in_process(item: pytest.Item, rep: pytest.TestReport) -> None:

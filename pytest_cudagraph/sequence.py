@@ -4,6 +4,7 @@ MPI ranks), each judged after its release from what the process observed its gra
 from __future__ import annotations
 
 import json
+import math
 import numbers
 import operator
 import os
@@ -129,12 +130,16 @@ class EngineSequence:
         n = count
         if not callable(factory):
             raise ConfigError(f"engine_sequence needs a factory callable(backend) -> engine, got {factory!r}")
+        output = output.strip().lower() if isinstance(output, str) else output
+        if not isinstance(check, bool):
+            raise ConfigError(f"engine_sequence(check={check!r}): give True (raise on a failed cycle, the default) "
+                              "or False (return the records)")
         if output not in OUTPUTS:
             raise ConfigError(f"engine_sequence(output={output!r}): choose 'hold' (the caller keeps the last "
                               "output, a view into the pool) or 'drop' (the caller copies it out)")
-        if isinstance(atol, bool) or not isinstance(atol, numbers.Real) or not atol >= 0:
+        if isinstance(atol, bool) or not isinstance(atol, numbers.Real) or not 0 <= atol < math.inf:
             raise ConfigError(f"engine_sequence(atol={atol!r}): give the largest absolute difference allowed "
-                              "between replay and eager, a number >= 0 (default 1e-4)")
+                              "between replay and eager, a finite number >= 0 (default 1e-4)")
         if reload is not None and not callable(reload):
             raise ConfigError(f"engine_sequence(reload={reload!r}): give a callable(engine) that loads new weights "
                               "into the engine between replays, or leave it out")

@@ -22,6 +22,7 @@ from .worker import START_METHODS
 
 SETTINGS_KEY = pytest.StashKey[dict]()  # the resolved settings of the session
 STATE_KEY = pytest.StashKey[dict]()  # what the session recorded: tests, their cycles and findings
+CALL_FAILED = pytest.StashKey[bool]()  # on an item: its call phase failed (read at its teardown)
 
 
 @dataclass(frozen=True)
@@ -212,7 +213,7 @@ def _ini(config: pytest.Config, name: str) -> Any:
     refuses those for keys registered as strings; the conversion checks them as any other value)."""
     try:
         return config.getini(name)
-    except TypeError:
+    except (TypeError, pytest.UsageError):  # (pytest 9.2 words its TypeError as a usage error)
         raw = getattr(getattr(config, "_inicfg", {}).get(name), "value", None)
         if isinstance(raw, (bool, int, float)):
             return raw

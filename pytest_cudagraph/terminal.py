@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
@@ -88,6 +89,7 @@ def findings_section(tr: Any, state: dict) -> None:
 
 POISONED = "Offset increment outside graph capture"  # what eager random ops raise once the RNG's capture is left open
 REFUSED = "captured on a non-default stream"  # torch's refusal, which leaves it open
+REFUSAL_NOTE = "torch refused a capture on the default stream"
 _PREVENTED = ("DefaultStreamCaptureError", "StalePoolError")  # the sanitizer stopped it: the process is fine
 
 
@@ -109,11 +111,23 @@ def _process_worlds() -> set:
     return worlds
 
 
-def poison_note(exc: BaseException | None) -> str | None:
+def refusal_site(excinfo: Any) -> str:
+    """``file:line in function`` of the innermost frame of a failure's traceback outside torch, this library
+    and pytest: where the test began the capture torch refused."""
+    skip = (f"{os.sep}torch{os.sep}", "cudagraph_lifecycle", f"{os.sep}_pytest{os.sep}", f"{os.sep}pluggy{os.sep}")
+    for entry in reversed(list(excinfo.traceback)):
+        path = str(entry.path)
+        if not any(s in path for s in skip):
+            return f"{path}:{entry.lineno + 1} in {entry.name}"
+    return "(unknown)"
+
+
+def poison_note(exc: BaseException | None, earlier: list[str] | tuple = ()) -> str | None:
     """A failed test's note where what failed it in this process is torch's refusal of a capture on the default
     stream, or a random op of a process that refusal (or the allocator's assert) poisoned: what did it, where
-    the ledger saw it, how to have it refused first. None for anything else, for what the sanitizer stopped,
-    and for a worker's errors (that process is replaced)."""
+    the ledger saw it (else ``earlier``: the refusals that failed earlier tests of this process, as
+    ``nodeid at file:line``), how to have it refused first. None for anything else, for what the sanitizer
+    stopped, and for a worker's errors (that process is replaced)."""
     chain = _chain(exc) if exc is not None else []
     names = {type(e).__name__ for e in chain}
     if not chain or names & set(_PREVENTED) or type(exc).__module__.startswith("pytest_cudagraph"):
@@ -126,12 +140,13 @@ def poison_note(exc: BaseException | None) -> str | None:
 
     worlds = _process_worlds()
     seen = [d for d in reversed(list(ledger.default_stream)) if not d.refused and d.key[0] in worlds]
-    where = "; ".join(f"{d.test or '(outside a test)'} at {d.site or '(unknown)'}" for d in seen[:3])
+    where = "; ".join([f"{d.test or '(outside a test)'} at {d.site or '(unknown)'}" for d in seen[:3]]
+                      or list(reversed(earlier))[:3])  # else the refusals that failed earlier tests here
     fix = ("With the sanitizer on (cudagraph-marked tests and workers under --cudagraph-sanitize=on, or "
            "CUDAGRAPH_SANITIZE=1 for the whole session) such a capture is refused before torch begins it, "
            "and named with its test and line.")
     if REFUSED in text:
-        return ("torch refused a capture on the default stream after opening the CUDA RNG's capture: from now on "
+        return (f"{REFUSAL_NOTE} after opening the CUDA RNG's capture: from now on "
                 "every eager random op of this process fails, in later tests too. Capture on a side stream "
                 f"(`with torch.cuda.stream(s):`). {fix}")
     cause = (f"by a capture on the default stream (newest first): {where}" if where else

@@ -156,6 +156,9 @@ FIXTURE_ARGS = [
     ("sequence n type", "", "engine_sequence(good, '2')", "engine_sequence(n='2'): give n >= 1 engines, an int"),
     ("sequence atol", "", "engine_sequence(good, 1, atol='small')", "engine_sequence(atol='small'): give the largest"),
     ("sequence reload", "", "engine_sequence(good, 1, reload='swap')", "engine_sequence(reload='swap'): give a callable"),
+    ("sequence check", "", "engine_sequence(good, 1, check='no')", "engine_sequence(check='no'): give True"),
+    ("sequence atol infinite", "", "engine_sequence(good, 1, atol=float('inf'))",
+     "engine_sequence(atol=inf): give the largest absolute difference allowed between replay and eager, a finite"),
     ("sequence output", "", "engine_sequence(good, 1, output='keep')", "engine_sequence(output='keep'): choose 'hold'"),
     ("sequence factory", "", "engine_sequence(5)", "needs a factory callable(backend) -> engine, got 5"),
 ]
@@ -195,6 +198,8 @@ def test_x(engine_sequence):
     res = pytester.runpytest_inprocess("-p", "cudagraph")
     assert res.ret == pytest.ExitCode.TESTS_FAILED, what
     assert words in res.stdout.str(), res.stdout.str()
+    if marker:  # the message alone, not the plugin's source around it
+        assert "raise ConfigError" not in res.stdout.str(), res.stdout.str()
 
 
 @pytest.mark.parametrize("factory, words", [

@@ -59,8 +59,14 @@ def test_seen_by_eager_without_names(engine_sequence):
 
 def test_an_in_place_reload_passes(engine_sequence):
     assert not engine_sequence(checked, 2, reload=reload_in_place)[0]["failed"]
+
+def test_a_reload_that_raises_is_named(engine_sequence):
+    def broken(engine):
+        raise ValueError("no such checkpoint")
+    with pytest.raises(EngineCycleError, match="ValueError during reload: no such checkpoint"):
+        engine_sequence(checked, 1, reload=broken)
 ''')
-    res.assert_outcomes(passed=3)
+    res.assert_outcomes(passed=4)
 
 
 def test_budgets_of_a_cudagraph_marked_test(pytester):

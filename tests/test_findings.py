@@ -530,6 +530,7 @@ def test_an_engine_capturing_on_the_default_stream(cudagraph_worker, engine, san
         assert random == "ok 2"
     else:
         assert "every later eager random op" in p["message"] and "CUDAGRAPH_SANITIZE=1" in p["message"]
+        assert "test_findings.py" in p["message"] and "in capture" in p["message"]  # the line, as the ledger saw it
         assert "Offset increment" in random
     if engine is SwallowingEngine:
         assert "test_findings.py" in p["message"] and "whose error the engine caught" in p["message"]
@@ -576,6 +577,22 @@ def test_engine_falls_back_to_eager():
         pass  # an engine that runs eagerly when a capture fails: the error never reaches the test
     assert be.randn(4).numel() == 4
 """
+
+
+def test_a_refused_capture_that_failed_its_test_is_not_failed_again_at_teardown(pytester):
+    pytester.makepyfile(test_raw="""
+import pytest
+from cudagraph_lifecycle import get_backend
+
+
+@pytest.mark.cudagraph
+def test_raw():
+    get_backend("sim").new_graph().capture_begin()
+""")
+    res = pytester.runpytest_subprocess("-p", "cudagraph", "-p", "no:cacheprovider", "--cudagraph-backend=sim",
+                                        "--cudagraph-sanitize=strict")
+    res.assert_outcomes(failed=1)  # once: the refusal; its finding is reported, not a second failure
+    res.stdout.fnmatch_lines(["*test_raw: default_stream_capture: device 0*"])
 
 
 @pytest.mark.parametrize("mode, outcome", [("on", {"passed": 1}), ("strict", {"passed": 1, "errors": 1})])
@@ -631,8 +648,9 @@ def test_a_poisoned_process_failure_says_what_poisons_it_and_how_to_have_it_refu
         "torch refused a capture on the default stream after opening the CUDA RNG's capture: from now on every "
         "eager random op of this process fails, in later tests too. Capture on a side stream*",
         "*test_b_draws_random_numbers*", "*- cudagraph -*",
-        "this process's eager CUDA random ops were poisoned by a capture on the default stream, or by the "
-        "allocator's `use_count > 0` assert*CUDAGRAPH_SANITIZE=1*",
+        "this process's eager CUDA random ops were poisoned by a capture on the default stream (newest first): "
+        "test_poison.py::test_a_forgets_the_side_stream at *test_poison.py:6 in test_a_forgets_the_side_stream."
+        "*CUDAGRAPH_SANITIZE=1*",
         "*test_c_refused_by_the_sanitizer*", "*DefaultStreamCaptureError*"], consecutive=False)
     assert res.stdout.str().count("- cudagraph -") == 2, res.stdout.str()
 

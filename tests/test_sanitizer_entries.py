@@ -276,6 +276,7 @@ BAD_SETTINGS = [
     ({"CUDAGRAPH_SANITIZE": "loud"}, ["CUDAGRAPH_SANITIZE='loud' is not a sanitizer mode", "1 (or on), strict"]),
     ({"CUDAGRAPH_SANITIZE_BACKEND": "gpu"}, ["CUDAGRAPH_SANITIZE_BACKEND='gpu'", "auto, cuda, sim"]),
     ({"CUDAGRAPH_EXPANDABLE_TEARDOWN": "ignore"}, ["CUDAGRAPH_EXPANDABLE_TEARDOWN='ignore'", "refuse"]),
+    ({"CUDAGRAPH_CHECKED": "maybe"}, ["CUDAGRAPH_CHECKED='maybe' is not a boolean"]),
 ]
 
 

@@ -147,7 +147,7 @@ def run_cycle(
             f.kind == "pool_never_retired" or (f.kind == "default_stream_capture" and not raised))]
         rec.sanitizer = [f.as_dict() for f in found]
         for f in found:
-            rec.add("sanitizer", f"sanitizer {f.kind}: {f.message}", f.bytes)
+            rec.add("sanitizer", f"{f.kind}: {f.message}", f.bytes)
     if output == "hold":
         caller.held, caller.held_pools, caller.held_record = kept, pools, rec
     else:

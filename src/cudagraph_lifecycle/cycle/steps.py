@@ -26,7 +26,7 @@ from ..errors import (
 )
 from ..ledger import Key, ledger
 from ..sanitizer.pins import describe, what_pins
-from ..sanitizer.stale import SIDE_STREAM_FIX
+from ..sanitizer.stale import side_stream_fix
 from ..trees import leaves
 from .caller import Caller, caller_copy
 from .engine import Engine
@@ -81,7 +81,11 @@ def exercise(engine: Engine, rec: CycleRecord, atol: float, reload: Callable[[An
     if reload is None:
         return y
     y = caller_copy(y)  # the next run overwrites the first one's output
-    reload(engine.obj)
+    try:
+        reload(engine.obj)
+    except Exception as e:
+        e.cudagraph_step = "reload"  # named as the step it failed in, not as the run around it
+        raise
     y = engine.run(x)
     runner = getattr(engine.obj, "runner", None)
     named = runner.check_addresses(raise_=False) if getattr(runner, "checked", False) else []
@@ -127,6 +131,7 @@ def failed(e: BaseException, rec: CycleRecord, be: Backend, since: int, step: st
     ``error``. The allocator's own assert poisons the process, and so does torch's refusal of a capture on the
     default stream."""
     first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    step = getattr(e, "cudagraph_step", step)
     attempts = ledger.stale_since(since, be.world)
     asserted = not isinstance(e, StalePoolError) and any(m in str(e) for m in ASSERT_MARKERS)
     kind = next((k for cls, k in _CHECK_ERRORS if isinstance(e, cls)), None)
@@ -135,7 +140,9 @@ def failed(e: BaseException, rec: CycleRecord, be: Backend, since: int, step: st
         return
     if DEFAULT_STREAM_MARKER in str(e) and not isinstance(e, DefaultStreamCaptureError):
         rec.poisoned = True
-        rec.add("error", f"{type(e).__name__} during {step}: {first} -- {_POISONED_BY_REFUSAL}")
+        seen = _refusals(be, since)
+        at = f" at {seen[-1].site}" if seen and seen[-1].site else ""
+        rec.add("error", f"{type(e).__name__} during {step}{at}: {first} -- {_poisoned_by_refusal(be)}")
         return
     if isinstance(e, StalePoolError) or asserted:
         a = attempts[-1] if attempts else None
@@ -161,10 +168,16 @@ def failed(e: BaseException, rec: CycleRecord, be: Backend, since: int, step: st
     rec.add("error", f"{type(e).__name__} during {step}: {first}{hint}")
 
 
-_POISONED_BY_REFUSAL = (
-    "torch refused a capture on the default stream after opening the CUDA RNG's capture, so every later eager "
-    "random op of this process fails. With a sanitizer (--cudagraph-sanitize=on or strict, CUDAGRAPH_SANITIZE=1, "
-    f"or a PoolSanitizer) the capture is refused before torch begins it. {SIDE_STREAM_FIX}")
+def _poisoned_by_refusal(be: Backend) -> str:
+    return ("torch refused a capture on the default stream after opening the CUDA RNG's capture, so every later "
+            "eager random op of this process fails. With a sanitizer (--cudagraph-sanitize=on or strict, "
+            "CUDAGRAPH_SANITIZE=1, or a PoolSanitizer) the capture is refused before torch begins it. "
+            f"{side_stream_fix(be.world)}")
+
+
+def _refusals(be: Backend, since: int) -> list:
+    """torch's refusals of a capture on the default stream in ``be``'s world since ``since``, as observed."""
+    return [d for d in list(ledger.default_stream) if d.seq > since and d.key[0] == be.world and not d.refused]
 
 
 def refused_on_default_stream(rec: CycleRecord, be: Backend, since: int) -> None:
@@ -172,11 +185,11 @@ def refused_on_default_stream(rec: CycleRecord, be: Backend, since: int) -> None
     error, ran eagerly): the process's random ops are poisoned all the same, as the ledger saw."""
     if rec.poisoned:
         return
-    seen = [d for d in list(ledger.default_stream) if d.seq > since and d.key[0] == be.world and not d.refused]
+    seen = _refusals(be, since)
     if seen:
         rec.poisoned = True
         rec.add("error", f"a capture on the default stream at {seen[-1].site or '(unknown)'}, whose error the engine "
-                f"caught: {_POISONED_BY_REFUSAL}")
+                f"caught: {_poisoned_by_refusal(be)}")
 
 
 def check_held(be: Backend, caller: Caller, current: set[Key]) -> CycleRecord | None:

@@ -15,6 +15,7 @@ import types
 import zipfile
 from collections.abc import Callable
 
+from ..choices import checked_from_env
 from ..errors import BackendUnavailableError, ConfigError
 from .env import OFF, findings_taken, install_from_env, print_findings
 
@@ -45,6 +46,7 @@ def main(argv: list[str] | None = None) -> int | str | None:
         return 2
     env["CUDAGRAPH_SANITIZE"] = value or "on"
     try:
+        checked_from_env(env)  # read by every runner the program builds: a bad value stops it here
         san = install_from_env(env)
     except (ConfigError, BackendUnavailableError) as e:
         print(f"cudagraph sanitizer: {e}", file=sys.stderr)

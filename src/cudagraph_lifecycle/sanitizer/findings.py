@@ -11,7 +11,7 @@ from typing import Any
 
 from ..backends import Backend, PoolId
 from ..ledger import ledger
-from .stale import SIDE_STREAM_FIX
+from .stale import side_stream_fix
 
 FINDING_KINDS = ("unreleased_graph", "pinned_pool", "pool_never_retired", "expandable_teardown",
                  "default_stream_capture")
@@ -59,7 +59,7 @@ def collect(backend: Backend, since: int = 0, scope: str | None = None) -> list[
             out.append(Finding(
                 "default_stream_capture", d.pool_id or (0, 0), d.key[1], 0,
                 f"a capture began on the default stream of device {d.key[1]} at {d.site or '(unknown)'}: {what}. "
-                f"{SIDE_STREAM_FIX}", (d.at,), d.scope, (d.site,) if d.site else (),
+                f"{side_stream_fix(world)}", (d.at,), d.scope, (d.site,) if d.site else (),
                 tuple(t for t in (d.test,) if t)))
     for g in ledger.live_graphs(world):
         if g.seq > since and (scope is None or g.scope == scope):

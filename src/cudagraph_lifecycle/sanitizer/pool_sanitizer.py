@@ -46,11 +46,14 @@ class PoolSanitizer:
 
     def __init__(self, backend: Backend | str = "auto", mode: str = "on", record_history: bool = False,
                  scope: str | None = None, expandable_teardown: str = "refuse"):
+        mode = mode.strip().lower() if isinstance(mode, str) else mode  # as the options take it
         if mode not in SANITIZE_MODES or mode == "off":
-            raise ConfigError(f"sanitizer mode {mode!r}: choose 'on' or 'strict' (use no sanitizer for 'off')")
+            raise ConfigError(f"PoolSanitizer(mode={mode!r}): choose 'on' or 'strict' (use no sanitizer for 'off')")
+        if isinstance(expandable_teardown, str):
+            expandable_teardown = expandable_teardown.strip().lower()
         if expandable_teardown not in EXPANDABLE_TEARDOWN:
-            raise ConfigError(f"expandable_teardown={expandable_teardown!r}: choose 'refuse' (the default) or "
-                              "'report'")
+            raise ConfigError(f"PoolSanitizer(expandable_teardown={expandable_teardown!r}): choose 'refuse' (the "
+                              "default) or 'report'")
         self.backend = get_backend(backend)
         self.mode = mode
         self.expandable_teardown = expandable_teardown

@@ -11,6 +11,14 @@ SIDE_STREAM_FIX = ("Capture on a side stream: `s = torch.cuda.Stream()`, then `w
                    "capture (torch.cuda.graph makes one for you)")
 
 
+def side_stream_fix(world: object) -> str:
+    """The fix in the API of the world's backend: torch.cuda's on CUDA, the backend's on ``sim``."""
+    if world == "cuda":
+        return SIDE_STREAM_FIX
+    return ("Capture on a side stream: `with backend.stream(backend.new_stream()):` around the capture, or the "
+            "backend's own `backend.capture_stream(device)` (backend.graph(...) uses it)")
+
+
 def stale_error(backend: Backend, attempt: StaleAttempt) -> StalePoolError:
     """The error for a capture into a dead pool: why the pool is dead, where it was minted and released,
     and which engine made it."""
@@ -66,6 +74,6 @@ def default_stream_error(event: DefaultStreamCapture) -> DefaultStreamCaptureErr
         "refuses it ('CUDA graphs must be captured on a non-default stream.'), but only after opening the CUDA "
         "RNG's capture, which it leaves open, so every later eager random op of this process would fail "
         "('Offset increment outside graph capture'). The capture was NOT begun and the process is fine. "
-        f"{SIDE_STREAM_FIX}.\n--- the capture began at ---\n{event.at}")
+        f"{side_stream_fix(event.key[0])}.\n--- the capture began at ---\n{event.at}")
     err.device, err.site = event.key[1], event.site
     return err
