@@ -132,7 +132,7 @@ def test_expandable_teardown_is_refused_by_on_unless_report_and_always_by_strict
     (f,) = san.findings()
     assert f.kind == "expandable_teardown" and "can crash the process" in f.message
     san.stop()
-    with pytest.raises(Exception, match="expandable_teardown='never': choose 'refuse'"):
+    with pytest.raises(Exception, match=r"PoolSanitizer\(expandable_teardown='never'\): choose 'refuse'"):
         PoolSanitizer(be, expandable_teardown="never")
 
 

@@ -310,7 +310,7 @@ def test_a_forked_child_installs_its_own_program_wide_sanitizer():
 
 
 def test_sanitizer_bad_mode():
-    with pytest.raises(ValueError, match="sanitizer mode"):
+    with pytest.raises(ValueError, match=r"PoolSanitizer\(mode=.loud.\): choose .on. or .strict."):
         PoolSanitizer(SimBackend(), mode="loud")
 
 
