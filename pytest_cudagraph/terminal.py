@@ -6,6 +6,9 @@ import os
 import sys
 from typing import Any
 
+from cudagraph_lifecycle.errors import TORCH_DEFAULT_STREAM_REFUSAL, TORCH_RANDOM_POISONED
+from cudagraph_lifecycle.ledger import ledger  # plain Python: no torch
+
 from .report import VERDICTS, findings, rows, totals
 
 
@@ -87,8 +90,6 @@ def findings_section(tr: Any, state: dict) -> None:
     tr.write_line(f"{len(found)} sanitizer finding(s)" + tail)
 
 
-POISONED = "Offset increment outside graph capture"  # what eager random ops raise once the RNG's capture is left open
-REFUSED = "captured on a non-default stream"  # torch's refusal, which leaves it open
 REFUSAL_NOTE = "torch refused a capture on the default stream"
 _PREVENTED = ("DefaultStreamCaptureError", "StalePoolError")  # the sanitizer stopped it: the process is fine
 
@@ -134,18 +135,15 @@ def poison_note(exc: BaseException | None, earlier: list[str] | tuple = ()) -> s
         return None
     # what torch raises is a RuntimeError (an assert that merely compares these words is not it)
     text = "\n".join(str(e) for e in chain if isinstance(e, RuntimeError))
-    if REFUSED not in text and POISONED not in text:
+    if TORCH_DEFAULT_STREAM_REFUSAL not in text and TORCH_RANDOM_POISONED not in text:
         return None
-    from cudagraph_lifecycle.ledger import ledger  # plain Python: no torch
-
-    worlds = _process_worlds()
-    seen = [d for d in reversed(list(ledger.default_stream)) if not d.refused and d.key[0] in worlds]
+    seen = ledger.torch_refusals(worlds=_process_worlds())[::-1]
     where = "; ".join([f"{d.test or '(outside a test)'} at {d.site or '(unknown)'}" for d in seen[:3]]
                       or list(reversed(earlier))[:3])  # else the refusals that failed earlier tests here
     fix = ("With the sanitizer on (cudagraph-marked tests and workers under --cudagraph-sanitize=on, or "
            "CUDAGRAPH_SANITIZE=1 for the whole session) such a capture is refused before torch begins it, "
            "and named with its test and line.")
-    if REFUSED in text:
+    if TORCH_DEFAULT_STREAM_REFUSAL in text:
         return (f"{REFUSAL_NOTE} after opening the CUDA RNG's capture: from now on "
                 "every eager random op of this process fails, in later tests too. Capture on a side stream "
                 f"(`with torch.cuda.stream(s):`). {fix}")

@@ -35,6 +35,7 @@ import weakref
 from typing import Any
 
 from cudagraph_lifecycle.choices import SANITIZE_ENV_OFF
+from cudagraph_lifecycle.errors import TORCH_DEFAULT_STREAM_REFUSAL, TORCH_RANDOM_POISONED
 
 
 def _cloudpickle():
@@ -157,7 +158,7 @@ def _set_receive_timeout(fd: int, seconds: float) -> bool:
 START_METHODS = ("auto", "fork", "spawn", "forkserver")
 # the allocator's assert, torch's refusal of a capture on the default stream (it leaves the RNG's capture open),
 # and what random ops raise after either
-_POISON_MARKERS = ("INTERNAL ASSERT FAILED", "Offset increment outside graph capture", "captured on a non-default stream")
+_POISON_MARKERS = ("INTERNAL ASSERT FAILED", TORCH_RANDOM_POISONED, TORCH_DEFAULT_STREAM_REFUSAL)
 _PREVENTED = ("StalePoolError", "DefaultStreamCaptureError")  # they quote what they stopped: that process is fine
 _CAUSE = re.compile(r"terminate called|terminating due to|what\(\)|Fatal Python error|INTERNAL ASSERT|"
                     r"Error:|Exception|Segmentation fault|Aborted|died during the call")
@@ -320,7 +321,7 @@ def poisoned_since(seq: int) -> bool:
     """torch refused a capture on the default stream during the call, whether or not its error reached the
     call's end (an engine that caught it and ran eagerly): this process's random ops are poisoned."""
     led = sys.modules.get("cudagraph_lifecycle.ledger")
-    return led is not None and any(d.seq > seq and not d.refused for d in list(led.ledger.default_stream))
+    return led is not None and bool(led.ledger.torch_refusals(seq))
 
 
 _heap_frozen = False

@@ -25,7 +25,7 @@ import torch
 
 from .backends import Backend, get_backend, isolated_backend
 from .backends.base import MiB
-from .errors import BackendUnavailableError
+from .errors import TORCH_RANDOM_POISONED, BackendUnavailableError
 
 N = 64 * 64  # a 16 KiB float32 tensor: one small block
 
@@ -37,7 +37,7 @@ def classify(e: BaseException) -> str:
         return "pool-count-assert"
     if "use_count > 0" in msg:
         return "assert"
-    if "Offset increment outside graph capture" in msg:
+    if TORCH_RANDOM_POISONED in msg:
         return "poisoned"
     if "not permitted when stream is capturing" in msg:
         return "capture-sync"

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+# torch's own words, where only they tell what happened: its refusal of a capture on the default stream (after it
+# opened the CUDA RNG's capture), and what every eager random op raises once that capture is left open
+TORCH_DEFAULT_STREAM_REFUSAL = "captured on a non-default stream"
+TORCH_RANDOM_POISONED = "Offset increment outside graph capture"
+
 
 class CudaGraphLifecycleError(RuntimeError):
     """Base class of every lifecycle error this library raises."""

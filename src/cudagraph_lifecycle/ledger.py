@@ -648,6 +648,12 @@ class Ledger:
             if not g.replays:
                 self.unreplayed_by_scope[g.scope] = self.unreplayed_by_scope.get(g.scope, 0) + 1
 
+    def torch_refusals(self, since: int = 0, worlds: Any = None) -> list[DefaultStreamCapture]:
+        """torch's own refusals of a capture on the default stream after sequence ``since`` (in ``worlds``, a
+        container of worlds, if given), oldest first: each left the process's random ops poisoned."""
+        return [d for d in list(self.default_stream)
+                if not d.refused and d.seq > since and (worlds is None or d.key[0] in worlds)]
+
     def note_hazard(self, hazard: TeardownHazard) -> None:
         """Record a teardown hazard, and (where ``CUDAGRAPH_HAZARD_FILE`` names a file: a reused worker or
         rank) append it there at once: the crash it announces may leave no other record."""

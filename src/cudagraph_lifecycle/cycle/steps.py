@@ -16,6 +16,7 @@ import torch
 
 from ..backends import Backend
 from ..errors import (
+    TORCH_DEFAULT_STREAM_REFUSAL,
     CapturedAddressError,
     ConfigError,
     DefaultStreamCaptureError,
@@ -34,7 +35,6 @@ from .record import CycleRecord
 
 ASSERT_MARKERS = ("use_count > 0", "INTERNAL ASSERT FAILED")
 NO_CUDA_MARKERS = ("Torch not compiled with CUDA enabled", "No CUDA GPUs are available", "Found no NVIDIA driver")
-DEFAULT_STREAM_MARKER = "captured on a non-default stream"  # torch's refusal, which poisons random ops
 _CHECK_ERRORS = ((ReplayCheckError, "replay_check"), (OverwrittenOutputError, "replay_check"),
                  (CapturedAddressError, "captured_address"), (ExpandableSegmentsHazardError, "expandable_teardown"))
 
@@ -138,9 +138,9 @@ def failed(e: BaseException, rec: CycleRecord, be: Backend, since: int, step: st
     if kind is not None:
         rec.add(kind, f"{type(e).__name__}: {e}")
         return
-    if DEFAULT_STREAM_MARKER in str(e) and not isinstance(e, DefaultStreamCaptureError):
+    if TORCH_DEFAULT_STREAM_REFUSAL in str(e) and not isinstance(e, DefaultStreamCaptureError):
         rec.poisoned = True
-        seen = _refusals(be, since)
+        seen = ledger.torch_refusals(since, (be.world,))
         at = f" at {seen[-1].site}" if seen and seen[-1].site else ""
         rec.add("error", f"{type(e).__name__} during {step}{at}: {first} -- {_poisoned_by_refusal(be)}")
         return
@@ -175,17 +175,12 @@ def _poisoned_by_refusal(be: Backend) -> str:
             f"{side_stream_fix(be.world)}")
 
 
-def _refusals(be: Backend, since: int) -> list:
-    """torch's refusals of a capture on the default stream in ``be``'s world since ``since``, as observed."""
-    return [d for d in list(ledger.default_stream) if d.seq > since and d.key[0] == be.world and not d.refused]
-
-
 def refused_on_default_stream(rec: CycleRecord, be: Backend, since: int) -> None:
     """torch refused a capture on the default stream during this cycle, and the engine went on (it caught the
     error, ran eagerly): the process's random ops are poisoned all the same, as the ledger saw."""
     if rec.poisoned:
         return
-    seen = _refusals(be, since)
+    seen = ledger.torch_refusals(since, (be.world,))
     if seen:
         rec.poisoned = True
         rec.add("error", f"a capture on the default stream at {seen[-1].site or '(unknown)'}, whose error the engine "

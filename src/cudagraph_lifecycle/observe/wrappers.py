@@ -15,11 +15,11 @@ from collections.abc import Callable
 from typing import Any
 
 from ..backends.base import Backend, GraphAPI
+from ..errors import TORCH_DEFAULT_STREAM_REFUSAL
 from ..ledger import CAPTURE_STACK_DEPTH as _DEPTH
 from ..ledger import DefaultStreamCapture, GraphEntry, Ledger, Stack, TeardownHazard
 
 TAG = "_cudagraph_ledger_entry"  # where a graph carries its ledger entry
-DEFAULT_STREAM_REFUSAL = "captured on a non-default stream"  # torch's words when it refuses the default stream
 
 # A judge decides what a capture into a dead pool does before the allocator sees it (raise, or let it
 # through): world -> the judges registered for it, the last one rules.
@@ -212,7 +212,7 @@ def capture_begin(api: GraphAPI, hooks: Hooks, original, record: Callable[..., G
         try:
             original(graph, given, *args, **kwargs)
         except Exception as e:
-            if DEFAULT_STREAM_REFUSAL in str(e):  # torch's refusal, not judged first: random ops are poisoned
+            if TORCH_DEFAULT_STREAM_REFUSAL in str(e):  # torch's refusal, not judged first: random ops are poisoned
                 try:
                     hooks.default_stream(be, device_of(graph), pool, None)
                 except Exception:
