@@ -12,7 +12,7 @@ import pytest
 from .mpi import MPIRanks
 from .report import FINDINGS, STRICT_FAILURE
 from .sequence import EngineSequence
-from .settings import CALL_FAILED, SETTINGS_KEY, STATE_KEY, describe_source, effective_backend, parse_bytes
+from .settings import CALL_FAILED, SETTINGS_KEY, STATE_KEY, describe_source, effective_backend
 from .worker import ReusedWorker
 
 SCOPES = ("function", "module", "session")
@@ -49,11 +49,16 @@ def budgets(node: pytest.Item) -> dict[str, Any]:
                           f"as keywords; unknown: {', '.join(unknown) or 'positional arguments'}")
     out = dict(marker.kwargs)
     if isinstance(out.get("max_pool_bytes"), str):  # a size, as --cudagraph-max-growth takes it: "64MiB"
+        from cudagraph_lifecycle.sizes import SIZE_HELP, NegativeSizeError, parse_size
+
         try:
-            out["max_pool_bytes"] = parse_bytes(out["max_pool_bytes"])
+            out["max_pool_bytes"] = parse_size(out["max_pool_bytes"])
+        except NegativeSizeError:
+            raise ConfigError(f"cudagraph(max_pool_bytes={out['max_pool_bytes']!r}): negative; give a size "
+                              ">= 0, e.g. '64MiB'") from None
         except ValueError:
-            raise ConfigError(f"cudagraph(max_pool_bytes={out['max_pool_bytes']!r}): give a size in bytes, an int "
-                              "or a string with KiB, MiB or GiB (or KB, MB, GB: powers of 10; e.g. '64MiB')") from None
+            raise ConfigError(f"cudagraph(max_pool_bytes={out['max_pool_bytes']!r}): give a size in bytes, "
+                              f"{SIZE_HELP}, e.g. '64MiB'") from None
     for key in ("max_pool_bytes", "max_captures"):
         v = out.get(key)
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
@@ -67,6 +72,7 @@ def budgets(node: pytest.Item) -> dict[str, Any]:
 def _check_budgets(nodeid: str, world: Any, backend: Any, limits: dict[str, Any]) -> list[str]:
     """The budgets of a cudagraph-marked test's own captures, read when its body returns."""
     from cudagraph_lifecycle.ledger import ledger
+    from cudagraph_lifecycle.sizes import size_text
 
     out = []
     captures = ledger.captures_in(nodeid)
@@ -75,8 +81,8 @@ def _check_budgets(nodeid: str, world: Any, backend: Any, limits: dict[str, Any]
     pool_bytes = ledger.peak_pool_bytes(world, nodeid, backend.pool_bytes_reader())
     replays, _ = ledger.replays_in(nodeid)
     if limits.get("max_pool_bytes") is not None and pool_bytes > limits["max_pool_bytes"]:
-        out.append(f"pool_over_budget: its graph pools held {pool_bytes} bytes at their peak, over "
-                   f"max_pool_bytes={limits['max_pool_bytes']}")
+        out.append(f"pool_over_budget: its graph pools held {size_text(pool_bytes)} at their peak, over the "
+                   f"max_pool_bytes budget of {size_text(limits['max_pool_bytes'])}")
     if limits.get("max_captures") is not None and captures > limits["max_captures"]:
         out.append(f"too_many_captures: {captures} captures, over max_captures={limits['max_captures']}")
     if limits.get("require_replay") and not replays:

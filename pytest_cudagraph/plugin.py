@@ -21,6 +21,7 @@ from cudagraph_lifecycle.choices import checked_from_env
 from . import report as reporting
 from . import settings, terminal
 from .fixtures import (  # noqa: F401 - fixtures are registered by import
+    _as_written,
     _cudagraph_sanitize,
     cudagraph_backend_name,
     cudagraph_module_worker,
@@ -143,6 +144,8 @@ def _uses_plugin(item: pytest.Item) -> bool:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     s = config.stash[SETTINGS_KEY]
     s["used"] = any(_uses_plugin(item) for item in items)
+    for item in items:
+        _warn_marker_without_effect(item)
     if any(item.get_closest_marker("gpu") is not None for item in items):
         if not (effective_backend(config) == "cuda" and s["gpus"]):
             skip = pytest.mark.skip(reason="needs a usable GPU (none visible; --cudagraph-require-gpu would stop "
@@ -155,6 +158,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for item in items:
             if item.get_closest_marker("mpi") is not None:
                 item.add_marker(skip_mpi)
+
+
+def _warn_marker_without_effect(item: pytest.Item) -> None:
+    """``cudagraph_engines`` is read only by ``engine_sequence``: on a test without it, it does nothing (warned
+    where written on the test itself; a module's or class's marker covers tests of other kinds too)."""
+    own = [m for m in getattr(item, "own_markers", ()) if m.name == "cudagraph_engines"]
+    if own and "engine_sequence" not in getattr(item, "fixturenames", ()):
+        item.warn(pytest.PytestWarning(
+            f"{_as_written(own[0])} on {item.name} does nothing: only the engine_sequence fixture reads it; take "
+            "engine_sequence as an argument of the test, or remove the marker"))
 
 
 def pytest_report_collectionfinish(config: pytest.Config, start_path, items) -> list[str]:

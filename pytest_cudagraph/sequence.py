@@ -18,6 +18,7 @@ import pytest
 from .assertions import EngineCycleError, check_record
 from .mpi import MPIRanks, RankError
 from .report import CYCLES, SNAPSHOT
+from .settings import describe_source
 from .worker import RemoteError, ReusedWorker, WorkerCrashed, WorkerTimeout
 
 OUTPUTS = ("hold", "drop")
@@ -144,6 +145,7 @@ class EngineSequence:
             raise ConfigError(f"engine_sequence(reload={reload!r}): give a callable(engine) that loads new weights "
                               "into the engine between replays, or leave it out")
         s = self._settings
+        growth_set_by = describe_source(s, "max_growth")  # the budget's message names what the user set
         start = len(self.records)
         first = max((r["index"] for r in self.records), default=-1) + 1
         mine: list[dict] = []
@@ -152,7 +154,7 @@ class EngineSequence:
                 try:
                     results = self._call(_run_cycle, factory, self.backend, i, atol, output,
                                          self._request.node.nodeid, s["sanitize"] == "strict", s["max_growth"],
-                                         reload, **s.get("budgets", {}))
+                                         reload, max_growth_set_by=growth_set_by, **s.get("budgets", {}))
                 except RemoteError as e:
                     if e.type_name == "ConfigError":  # the engine or its factory is the wrong shape
                         raise ConfigError(e.remote_message) from None

@@ -9,13 +9,13 @@ needs it (:func:`effective_backend`).
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import pytest
 
 from cudagraph_lifecycle.choices import BACKEND_NAMES, EXPANDABLE_TEARDOWN, SANITIZE_MODES
+from cudagraph_lifecycle.sizes import SIZE_HELP, NegativeSizeError, parse_size
 
 from .gpu import visible_gpu_count
 from .worker import START_METHODS
@@ -142,14 +142,6 @@ def unset(s: dict[str, Any], key: str) -> str:
 
 # kind -> (cast, lowest accepted value, what it must be, an example)
 _NUMBERS = {"int": (int, 1, "an integer", 2), "float": (float, 0, "a number of seconds", 120)}
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
-
-
-def parse_bytes(text: str) -> int:
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
-    if m is None or m.group(2).lower() not in _UNITS:
-        raise ValueError(text)
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
 def _convert(o: Option, raw: Any, source: str, ini: IniFile = PYTEST_INI) -> Any:
@@ -165,11 +157,13 @@ def _convert(o: Option, raw: Any, source: str, ini: IniFile = PYTEST_INI) -> Any
         raise pytest.UsageError(f"{name}={raw!r} is not a boolean: use 1/0, true/false, yes/no, on/off")
     if o.kind == "bytes":
         try:
-            return parse_bytes(raw)
+            return parse_size(raw)
+        except NegativeSizeError:
+            raise pytest.UsageError(f"{name}={raw!r} is negative: give a size >= 0, e.g. "
+                                    f"{setting(o, source, '64MiB', ini)}") from None
         except ValueError:
-            raise pytest.UsageError(
-                f"{name}={raw!r} is not a size in bytes: give an integer, optionally with KiB, MiB or GiB "
-                f"(or KB, MB, GB: powers of 10; e.g. {setting(o, source, '64MiB', ini)})") from None
+            raise pytest.UsageError(f"{name}={raw!r} is not a size in bytes: give {SIZE_HELP}, e.g. "
+                                    f"{setting(o, source, '64MiB', ini)}") from None
     if o.kind in _NUMBERS:
         cast, lowest, what, example = _NUMBERS[o.kind]
         try:

@@ -377,7 +377,7 @@ def program_findings() -> list[dict]:
 def finding_key(f: dict) -> tuple:
     """What tells two findings apart across processes: pool ids are unique only within one (pid), pids are
     reused (the worker's child), and MPI ranks share a worker."""
-    key = f.get("pid"), f.get("worker"), f.get("rank"), f["kind"], tuple(f["pool_id"]), f["device"]
+    key = f.get("pid"), f.get("worker"), f.get("rank"), f["kind"], tuple(f["pool_id"] or ()), f["device"]
     if f["kind"] == "default_stream_capture":  # about a line and a test, not a pool
         key += (tuple(f.get("sites") or ()), tuple(f.get("tests") or ()))
     return key

@@ -82,7 +82,7 @@ if [ -f .ptests/test_pytorch_graphs.py ]; then
   step "PyTorch's graph tests under CUDAGRAPH_SANITIZE=1" env CUDAGRAPH_SANITIZE=1 $PT .ptests/test_pytorch_graphs.py \
     -q -k "not test_graph_is_current_stream_capturing" --cudagraph-report="$R/pytorch-graph-tests.json"
 fi
-step "peer-style engine matrix (12 styles x hold/drop x sanitizer on/off; plain PyTorch's truth)" \
+step "peer-style engine matrix (14 styles x hold/drop x sanitizer on/off; plain PyTorch's truth)" \
   $PT tests/test_peer_matrix.py -n 8 --cudagraph-report="$R/peer-matrix.json" -q
 step "soak: 200 engines in one reused worker" python3 bench/bench_soak.py --backend cuda --engines 200 \
   --json "$R/bench-soak.json"

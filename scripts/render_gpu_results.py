@@ -164,7 +164,7 @@ def main(folder: str) -> None:
               f"{len(found)} finding(s)\n")
         for f in found:
             pins = "; ".join(f"{p['cause']} {p['bytes']} B: {p['holder']}" for p in f.get("pins", []))
-            print(f"- {f['kind']} pool {tuple(f['pool_id'])}, {f['bytes']} B, test {(f.get('tests') or ['-'])[0]}, "
+            print(f"- {f['kind']} pool {tuple(f['pool_id'] or ())}, {f['bytes']} B, test {(f.get('tests') or ['-'])[0]}, "
                   f"captured at {(f.get('sites') or ['-'])[0]}" + (f"; pinned by {pins}" if pins else ""))
     for name in ("examples-fork.json", "examples-spawn.json", "examples-mpi.json"):
         ex = load(folder, name)

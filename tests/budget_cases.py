@@ -84,6 +84,7 @@ def test_within_budget():
 def check(res) -> None:
     """Four budgets broken (each fails its test at teardown), two kept."""
     res.assert_outcomes(passed=6, errors=4)
-    over = "*pool_over_budget: its graph pools held 2097152 bytes at their peak, over max_pool_bytes=1000*"
+    over = "*pool_over_budget: its graph pools held 2 MiB (2097152 bytes) at their peak, over the max_pool_bytes " \
+        "budget of 1000 bytes*"
     res.stdout.fnmatch_lines(["*too_many_captures: 3 captures, over max_captures=2*",
                               "*never_replayed: 2 graph(s) captured, none replayed*", over, over])

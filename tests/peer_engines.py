@@ -2,17 +2,21 @@
 
 Every engine runs the same small MLP (3 x Linear(256) + ReLU) through CUDA graphs captured for batch sizes
 1, 2, 4 and 8, largest first, and differs only in where its pool handle lives and what ``release()`` does
-with it. Styles (a)-(h), (k) and (l) use only the ``Backend`` API, so they run on ``sim`` and on ``cuda``;
-(i) and (j) use ``torch.cuda`` / ``torch.compile`` directly and run on ``cuda`` only.
+with it. Styles (a)-(h) and (k)-(n) use only the ``Backend`` API, so they run on ``sim`` and on ``cuda``;
+(i) and (j) use ``torch.cuda`` / ``torch.compile`` directly and run on ``cuda`` only. (m) runs a second,
+one-layer draft model beside the MLP (speculative decoding); its result is the MLP's.
 
 The protocol a harness calls: ``capture()``, ``run(x)`` (a view of the static output, sliced to the batch),
 ``eager(x)``, ``example_input()`` and ``release()``. No engine exposes its pools, except (b), which offers
 ``pool_ids()`` so that a cross-check against the engine's own account can be tested.
 
 Module-level state (the class handle of (a), ``_GLOBAL_POOL``, ``_HANDLES``, ``_PROFILE_RESULTS``,
-``_SHARED_GRAPH_POOL``, ``_LOADER``) lives as long as the process, as it does in the engines these mimic:
-call ``reset_module_state()`` between independent runs in one process (a pool id means nothing in another
-allocator world).
+``_SHARED_GRAPH_POOL``, ``_LOADER``, the draft engines of (m) in ``_DRAFTS``) lives as long as the process,
+as it does in the engines these mimic: call ``reset_module_state()`` between independent runs in one process
+(a pool id means nothing in another allocator world).
+
+(n) frees nothing itself: its graphs go when the garbage collector collects the engine's reference cycle
+with its runner, so a harness that releases an engine and does not run ``gc.collect()`` keeps its pools.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ _GLOBAL_POOL: PoolId | None = None  # (d) and (f): one handle for every engine o
 _HANDLES: dict[str, PoolId] = {}  # (h): one handle per model name, kept across reloads
 _PROFILE_RESULTS: list[Any] = []  # (d) keeps profiling outputs here; (e) keeps plain numbers
 _SHARED_GRAPH_POOL: PoolId | None = None  # (k): the pool the first graph of the process minted
+_DRAFTS: dict[str, DraftEngine] = {}  # (m): one draft engine per model name, reused by every later target
 
 
 class _Loader:
@@ -55,6 +60,7 @@ def reset_module_state() -> None:
     _LOADER.pool = None
     _HANDLES.clear()
     _PROFILE_RESULTS.clear()
+    _DRAFTS.clear()  # a dropped draft's graphs reset as they are destroyed
     ClassHandleEngine._pool = None
 
 
@@ -464,6 +470,113 @@ class LoaderThreadEngine(_GraphEngine):
         self._reset_graphs()
 
 
+def _to_default_pool(backend: Backend, t: torch.Tensor) -> torch.Tensor:
+    """``t`` loaded into a block of the device's default pool, as a weight loader's ``empty`` + ``copy_`` does."""
+    out = backend.empty(*t.shape, dtype=t.dtype)
+    out.copy_(t)
+    return out
+
+
+class DraftEngine(_GraphEngine):
+    """The draft model of (m): the MLP's first layer only (a layer-skip draft), its weights loaded into the
+    default pool, its own side stream. It captures into the pool handle the target that built it passed in,
+    and keeps that handle for good: every later target reuses the cached draft, which resets its graphs and
+    captures them again into that same handle. Not a style of its own: only (m) builds it."""
+
+    def __init__(self, backend: Backend, pool: PoolId):
+        super().__init__(backend)
+        self.weights = [(_to_default_pool(backend, w), _to_default_pool(backend, b)) for w, b in self.weights[:1]]
+        self.pool = pool  # the first target's handle
+
+    def capture(self) -> None:
+        self._reset_graphs()  # a new target: drop the graphs captured for the last one
+        self._capture_all(self.pool, via_context=True)
+
+
+class SpeculativeEngine(_GraphEngine):
+    """(m) Speculative decoding, the TensorRT-LLM / SGLang draft-model pattern: the target mints one pool
+    handle per engine, captures its graphs into it, and hands the handle to its draft engine, which captures
+    its graphs into the same pool. The draft is cached in a module-level dict keyed by model name, so the
+    next target of the same model reuses the draft object, which keeps the handle it was first given and
+    recaptures into it. run() lets the draft propose (its tokens copied out) and the target verify; the
+    result is the target's. Release resets the target's graphs only."""
+
+    def __init__(self, backend: Backend):
+        super().__init__(backend)
+        self._pool: PoolId | None = None
+        self.draft: DraftEngine | None = None
+        self.accepted = 0  # rows whose draft token the target confirmed
+
+    def capture(self) -> None:
+        self._pool = self.backend.graph_pool_handle()
+        self._capture_all(self._pool, via_context=True)
+        draft = _DRAFTS.get(MODEL_NAME)
+        if draft is None:  # built once, by the first target, and given that target's pool to share
+            draft = _DRAFTS[MODEL_NAME] = DraftEngine(self.backend, self._pool)
+        draft.capture()  # the target's batch sizes: captured again for every target
+        self.draft = draft
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        if self.draft is None:
+            raise RuntimeError("SpeculativeEngine.run() before capture(): call capture() first")
+        # the draft's output may share blocks with the target's intermediates (one pool): read it out first
+        proposal = self.draft.run(x).argmax(-1)
+        out = super().run(x)
+        self.accepted += int((proposal == out.argmax(-1)).sum())
+        return out
+
+    def release(self) -> None:
+        self._reset_graphs()  # the target's own graphs: the draft stays cached, its graphs captured
+        self._pool = None
+        self.draft = None
+
+
+class _ModelRunner:
+    """The model runner of (n): its own stream, the static input in the default pool, and the graphs keyed
+    by batch size. It points back at its engine (the model, the config), as model runners do: engine and
+    runner form a reference cycle."""
+
+    def __init__(self, engine: GcReleasedEngine):
+        self.engine = engine
+        be = engine.backend
+        self.stream = be.new_stream(0)
+        self.static_in = _to_default_pool(be, engine.static_in)
+        self.pool: PoolId | None = None
+        self.graphs: dict[int, tuple[Any, torch.Tensor]] = {}
+
+    def capture(self) -> None:
+        eng = self.engine
+        self.pool = eng.backend.graph_pool_handle()  # a fresh pool per runner
+        with torch.no_grad():
+            for bs in sorted(BATCH_SIZES, reverse=True):
+                self.graphs[bs] = capture_one(eng.backend, eng.forward, self.static_in[:bs], self.stream,
+                                              self.pool, via_context=True)
+
+
+class GcReleasedEngine(_GraphEngine):
+    """(n) Graphs released by the garbage collector: they live in a dict on the engine's runner, and runner
+    and engine refer to each other. Release resets nothing: it drops the engine's own name for the graphs
+    and leaves the rest to the caller dropping the engine, so its pools are freed only when gc collects the
+    cycle (the graphs' destructors reset them). Weights in the default pool; a fresh pool per engine."""
+
+    def __init__(self, backend: Backend):
+        super().__init__(backend)
+        self.weights = [(_to_default_pool(backend, w), _to_default_pool(backend, b)) for w, b in self.weights]
+        self.runner = _ModelRunner(self)
+        self.static_in = self.runner.static_in
+        self.stream = self.runner.stream
+        self.graphs = self.runner.graphs  # the same dict: run() replays the runner's graphs
+
+    def _capture_stream(self) -> Any:
+        return None  # the runner makes its own
+
+    def capture(self) -> None:
+        self.runner.capture()
+
+    def release(self) -> None:
+        del self.graphs  # the runner still has them, until the cycle is collected
+
+
 def make_a(backend: Backend) -> ClassHandleEngine:
     return ClassHandleEngine(backend)
 
@@ -514,7 +627,15 @@ def make_l(backend: Backend) -> LoaderThreadEngine:
     return LoaderThreadEngine(backend)
 
 
+def make_m(backend: Backend) -> SpeculativeEngine:
+    return SpeculativeEngine(backend)
+
+
+def make_n(backend: Backend) -> GcReleasedEngine:
+    return GcReleasedEngine(backend)
+
+
 STYLES = {"a": make_a, "b": make_b, "c": make_c, "d": make_d, "e": make_e,
           "f": make_f, "g": make_g, "h": make_h, "i": make_i, "j": make_j,
-          "k": make_k, "l": make_l}
-SIM_STYLES = "abcdefghkl"
+          "k": make_k, "l": make_l, "m": make_m, "n": make_n}
+SIM_STYLES = "abcdefghklmn"

@@ -29,11 +29,12 @@ OPTIONS = [
     ("ranks ini", [], {}, "cudagraph_mpi_ranks = two", "ini key cudagraph_mpi_ranks='two' is not an integer"),
     ("growth cli", ["--cudagraph-max-growth=lots"], {}, "", "--cudagraph-max-growth='lots' is not a size in bytes"),
     ("growth env", [], {"CUDAGRAPH_MAX_GROWTH": "5 parsecs"}, "", "CUDAGRAPH_MAX_GROWTH='5 parsecs' is not a size"),
-    ("growth ini", [], {}, "cudagraph_max_growth = -1", "ini key cudagraph_max_growth='-1' is not a size"),
+    ("growth ini", [], {}, "cudagraph_max_growth = -1", "ini key cudagraph_max_growth='-1' is negative: give a size >= 0"),
+    ("growth negative cli", ["--cudagraph-max-growth=-5MiB"], {}, "", "--cudagraph-max-growth='-5MiB' is negative"),
     ("growth ini, the fix", [], {}, "cudagraph_max_growth = -1", "e.g. `cudagraph_max_growth = 64MiB` in the [pytest]"),
     ("growth units", [], {"CUDAGRAPH_MAX_GROWTH": "64MB5"}, "",
-     "CUDAGRAPH_MAX_GROWTH='64MB5' is not a size in bytes: give an integer, optionally with KiB, MiB or GiB (or KB, MB, "
-     "GB: powers of 10"),
+     "CUDAGRAPH_MAX_GROWTH='64MB5' is not a size in bytes: give an integer, optionally with KiB, MiB or GiB (KB, MB, "
+     "GB are powers of 10), e.g. CUDAGRAPH_MAX_GROWTH=64MiB"),
     ("sanitize env", [], {"CUDAGRAPH_SANITIZE_MODE": "loud"}, "", "CUDAGRAPH_SANITIZE_MODE='loud' is not one of: off, on, strict"),
     ("expandable teardown cli", ["--cudagraph-expandable-teardown=ignore"], {}, "",
      "--cudagraph-expandable-teardown='ignore' is not one of: refuse, report"),
@@ -149,7 +150,9 @@ FIXTURE_ARGS = [
      "cudagraph_engines(3, sanitise='strict'): takes n (positional or keyword) and scope, sanitize, ranks; "
      "unknown: sanitise"),
     ("budget size", "@pytest.mark.cudagraph(max_pool_bytes='lots')", "engine_sequence(good)",
-     "cudagraph(max_pool_bytes='lots'): give a size in bytes, an int or a string with KiB, MiB or GiB"),
+     "cudagraph(max_pool_bytes='lots'): give a size in bytes, an integer, optionally with KiB, MiB or GiB"),
+    ("budget size negative", "@pytest.mark.cudagraph(max_pool_bytes='-5MiB')", "engine_sequence(good)",
+     "cudagraph(max_pool_bytes='-5MiB'): negative; give a size >= 0"),
     ("marker ranks", "@pytest.mark.cudagraph_engines(ranks=0)", "engine_sequence(good)",
      "cudagraph_engines(ranks=0): give a positive int"),
     ("sequence n", "", "engine_sequence(good, 0)", "engine_sequence(n=0): give n >= 1"),

@@ -69,6 +69,32 @@ def test_a_reload_that_raises_is_named(engine_sequence):
     res.assert_outcomes(passed=4)
 
 
+def test_default_pool_growth_over_the_budget_names_the_setting_and_the_size(pytester, monkeypatch):
+    """An engine that leaves a workspace in the default pool: over CUDAGRAPH_MAX_GROWTH it fails, the message
+    in units and bytes and naming the variable as set; under a larger budget the same engine passes."""
+    pytester.makepyfile(engines_mod=ENGINES + '''
+KEPT = []  # a workspace cache that outlives its engine
+
+def leaves_a_workspace(backend):
+    KEPT.append(backend.randn(1 << 20))  # 4 MiB: a 20 MiB segment of the default pool
+    return Engine(backend)
+''')
+    pytester.makepyfile(test_a='''
+from engines_mod import leaves_a_workspace
+
+def test_growth(engine_sequence):
+    engine_sequence(leaves_a_workspace, 1, output="drop")
+''')
+    monkeypatch.setenv("CUDAGRAPH_MAX_GROWTH", "1MiB")
+    res = pytester.runpytest_subprocess("-p", "cudagraph", "-p", "no:cacheprovider", "--cudagraph-backend=sim")
+    res.assert_outcomes(failed=1)
+    res.stdout.fnmatch_lines(["*growth_over_budget: the default pool grew by 20 MiB (20971520 bytes) over this "
+                              "engine, above the budget of 1 MiB (1048576 bytes) set by CUDAGRAPH_MAX_GROWTH=1MiB*"])
+    res = pytester.runpytest_subprocess("-p", "cudagraph", "-p", "no:cacheprovider", "--cudagraph-backend=sim",
+                                        "--cudagraph-max-growth=64MiB")
+    res.assert_outcomes(passed=1)
+
+
 def test_budgets_of_a_cudagraph_marked_test(pytester):
     budget_cases.check(run(pytester, budget_cases.SIM_CAPTURE + budget_cases.MARKED_TESTS))
 

@@ -607,6 +607,7 @@ def test_a_swallowed_default_stream_capture_is_still_a_finding(pytester, mode, o
     (t,) = json.loads(report.read_text())["tests"]
     (f,) = t["sanitizer"]
     assert f["kind"] == "default_stream_capture" and f["tests"] == ["test_eager.py::test_engine_falls_back_to_eager"]
+    assert f["pool_id"] is None  # it had none: not torch's (0, 0)
     assert f["sites"][0].endswith("test_eager.py:6 in try_to_capture") and "refused before torch ran it" in f["message"]
     res.stdout.fnmatch_lines(["test_eager.py::test_engine_falls_back_to_eager: default_stream_capture: device 0",
                               "*began at *test_eager.py:6 in try_to_capture"])

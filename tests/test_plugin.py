@@ -202,6 +202,27 @@ def test_gpu_marker_skips_without_gpu(pytester):
     run(pytester).assert_outcomes(skipped=1)
 
 
+def test_an_engines_marker_on_a_test_without_engine_sequence_is_warned(pytester):
+    """Only engine_sequence reads cudagraph_engines: written on a test without it, it does nothing, and the
+    user is told where (a module's marker, which covers tests of every kind, is not warned)."""
+    pytester.makepyfile(test_a='''
+        import pytest
+        pytestmark = pytest.mark.cudagraph_engines(2)
+
+        @pytest.mark.cudagraph_engines(3, scope="module")
+        def test_worker_only(cudagraph_worker): pass
+
+        @pytest.mark.cudagraph_engines(3)
+        def test_sequence(engine_sequence): pass
+
+        def test_plain(): pass
+    ''')
+    res = run(pytester, "-W", "always::pytest.PytestWarning")
+    res.assert_outcomes(passed=3, warnings=1)
+    res.stdout.fnmatch_lines(["*test_a.py:*: PytestWarning: cudagraph_engines(3, scope='module') on "
+                              "test_worker_only does nothing: only the engine_sequence fixture reads it*"])
+
+
 @pytest.mark.parametrize(
     "args, env, message",
     [(["--cudagraph-backend=tpu"], {}, "*--cudagraph-backend='tpu' is not one of*"),

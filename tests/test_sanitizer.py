@@ -431,6 +431,9 @@ def test_a_capture_on_the_default_stream_is_refused_before_it_poisons_random_ops
     assert "test_sanitizer.py" in e.value.site and "begin_on_the_default_stream" in e.value.site
     assert "side stream: `with backend.stream(backend.new_stream()):`" in str(e.value) and "NOT begun" in str(e.value)
     assert be.poisoned is None and be.randn(4).numel() == 4  # random ops still work
+    shown = str(e.value).split("--- the capture began at ---\n")[1]
+    assert "in test_a_capture_on_the_default_stream" in shown  # the stack starts at the test: no pytest frames
+    assert not [line for line in shown.splitlines() if "_pytest" in line or "pluggy" in line], shown
     (f,) = san.findings()
     assert f.kind == "default_stream_capture" and f.sites == (e.value.site,) and f.pool_id == tuple(h)
     assert "refused before torch ran it" in f.message
@@ -458,6 +461,7 @@ def test_without_a_judge_the_default_stream_refusal_is_recorded_as_poisoning():
         assert "begin_on_the_default_stream" in event.site
         (f,) = PoolSanitizer(be).findings()  # a sanitizer of its world reports it (the findings read the ledger)
         assert f.kind == "default_stream_capture" and "every later eager random op" in f.message
+        assert f.pool_id is None and f.as_dict()["pool_id"] is None  # it asked for no pool: none is named
 
 
 def test_a_judge_that_lets_a_default_stream_capture_through_leaves_torchs_refusal_recorded():

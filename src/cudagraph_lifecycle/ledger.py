@@ -67,12 +67,13 @@ def _line_of(code, lasti: int) -> int:
 
 @functools.lru_cache(maxsize=1)
 def _machinery_dirs() -> tuple[str, ...]:
-    """Where this package, the plugin, multiprocessing and mpi4py live: their frames are the machinery's, not
-    the user's, and are dropped when a stack is shown (a finding points at the user's line that called the
-    runner, the pool, a backend or torch). Found by location, not by name: a user's folder may share one.
-    Read when a stack is first shown, never at capture; nothing is imported to find them."""
+    """Where this package, the plugin, pytest and pluggy, multiprocessing and mpi4py live: their frames are the
+    machinery's, not the user's, and are dropped when a stack is shown (a finding points at the user's line
+    that called the runner, the pool, a backend or torch, and a test's stack starts at the test). Found by
+    location, not by name: a user's folder may share one. Read when a stack is first shown, never at capture;
+    nothing is imported to find them."""
     dirs = [os.path.dirname(os.path.abspath(__file__))]
-    for name in ("pytest_cudagraph", "multiprocessing", "mpi4py"):
+    for name in ("pytest_cudagraph", "pytest", "_pytest", "pluggy", "multiprocessing", "mpi4py"):
         try:
             spec = importlib.util.find_spec(name)
         except (ImportError, ValueError):

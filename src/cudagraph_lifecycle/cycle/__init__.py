@@ -15,6 +15,7 @@ from ..backends import Backend, get_backend
 from ..errors import ConfigError
 from ..ledger import ledger
 from ..sanitizer import global_sanitizer
+from ..sizes import size_text
 from .caller import OUTPUT_MODES, caller_copy, caller_of
 from .engine import PROTOCOL, Engine, check_pool_ids
 from .record import FAILING, STRICT_FAILING, VERDICTS, CycleRecord, Problem
@@ -62,6 +63,7 @@ def run_cycle(
     max_pool_bytes: int | None = None,
     max_captures: int | None = None,
     require_replay: bool = False,
+    max_growth_set_by: str = "max_growth",
 ) -> list[dict[str, Any]]:
     """Build one engine with ``factory(backend)``, exercise it, release it, and judge its graph pools.
 
@@ -73,6 +75,7 @@ def run_cycle(
     ``reload(engine)`` runs between two runs of the example input (a weight sync, a LoRA swap): graphs that
     still read the old tensors fail as ``captured_address``. ``max_pool_bytes``, ``max_captures`` and
     ``require_replay`` are the engine's budgets (over budget, too many captures, graphs never replayed).
+    ``max_growth_set_by`` names where ``max_growth`` was set, for the message (the plugin passes its option).
     """
     if output not in OUTPUT_MODES:
         raise ConfigError(f"output={output!r}: choose one of {', '.join(OUTPUT_MODES)}")
@@ -136,8 +139,9 @@ def run_cycle(
     # from before it goes (library workspaces that torch._dynamo.reset() drops, an earlier engine's caches)
     rec.growth_bytes, rec.freed_earlier_bytes = max(0, delta), max(0, -delta)
     if max_growth is not None and rec.growth_bytes > max_growth:
-        rec.add("growth_over_budget", f"the default pool grew by {rec.growth_bytes} bytes over this engine, above "
-                                      f"the budget of {max_growth} bytes (--cudagraph-max-growth)", rec.growth_bytes)
+        rec.add("growth_over_budget", f"the default pool grew by {size_text(rec.growth_bytes)} over this engine, "
+                                      f"above the budget of {size_text(max_growth)} set by {max_growth_set_by}",
+                rec.growth_bytes)
     san = global_sanitizer()
     if san is not None and san.backend.world == be.world:
         # pinned pools and unreleased graphs are in the verdict already; what else the sanitizer saw (a capture

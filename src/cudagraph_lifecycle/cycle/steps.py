@@ -26,8 +26,9 @@ from ..errors import (
     StalePoolError,
 )
 from ..ledger import Key, ledger
-from ..sanitizer.pins import describe, what_pins
+from ..sanitizer.pins import describe, graph_holder, what_pins
 from ..sanitizer.stale import side_stream_fix
+from ..sizes import size_text
 from ..trees import leaves
 from .caller import Caller, caller_copy
 from .engine import Engine
@@ -106,8 +107,8 @@ def budget(rec: CycleRecord, graph_bytes: dict[str, int] | None, max_pool_bytes:
     rec.replays, _ = ledger.replays_in(rec.engine)
     rec.graph_bytes = graph_bytes
     if max_pool_bytes is not None and rec.pool_bytes > max_pool_bytes:
-        rec.add("pool_over_budget", f"its graph pools hold {rec.pool_bytes} bytes, over max_pool_bytes="
-                                    f"{max_pool_bytes}", rec.pool_bytes)
+        rec.add("pool_over_budget", f"its graph pools hold {size_text(rec.pool_bytes)}, over the max_pool_bytes "
+                                    f"budget of {size_text(max_pool_bytes)}", rec.pool_bytes)
     if max_captures is not None and rec.graphs > max_captures:
         rec.add("too_many_captures", f"{rec.graphs} captures, over max_captures={max_captures} (recaptures count)")
     if require_replay and not rec.replays:
@@ -226,9 +227,12 @@ def judge(be: Backend, rec: CycleRecord, output: Any, hold: bool, declared: list
     rec.graphs = ledger.captures_in(label)
     not_reset = [g for g in ledger.live_graphs(be.world) if g.scope == label]
     if not_reset:
+        held_by = graph_holder(not_reset)
         rec.add("graphs_not_reset",
-                f"{len(not_reset)} graph(s) captured by this engine were never reset: something still holds "
-                "them after release (a module global, a cache of graphs)", 0, [str(not_reset[0].captured_at)])
+                f"{len(not_reset)} graph(s) captured by this engine were never reset: "
+                + (f"one is held as {held_by}; reset them in release() or drop that reference" if held_by else
+                   "something still holds them after release (a module global, a cache of graphs)"),
+                0, [str(not_reset[0].captured_at)])
     left = {k: be.pool_state(k[2], k[1]).reserved_bytes for k in keys}
     total = sum(left.values())
     if total and hold and output is not None:

@@ -20,7 +20,7 @@ FINDING_KINDS = ("unreleased_graph", "pinned_pool", "pool_never_retired", "expan
 @dataclass(frozen=True)
 class Finding:
     kind: str  # one of FINDING_KINDS
-    pool_id: PoolId
+    pool_id: PoolId | None  # None: a capture refused before it had a pool (``default_stream_capture``)
     device: int
     bytes: int
     message: str
@@ -31,7 +31,8 @@ class Finding:
     pins: tuple[dict, ...] = ()  # what keeps its bytes alive, where it can be known (sanitizer.pins)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "pool_id": list(self.pool_id), "device": self.device, "bytes": self.bytes,
+        return {"kind": self.kind, "pool_id": None if self.pool_id is None else list(self.pool_id),
+                "device": self.device, "bytes": self.bytes,
                 "message": self.message, "stacks": list(self.stacks), "engine": self.engine,
                 "sites": list(self.sites), "tests": list(self.tests), "pins": list(self.pins)}
 
@@ -57,7 +58,7 @@ def collect(backend: Backend, since: int = 0, scope: str | None = None) -> list[
                     "torch refused it and every later eager random op of this process fails ('Offset increment "
                     "outside graph capture'): only a new process recovers")
             out.append(Finding(
-                "default_stream_capture", d.pool_id or (0, 0), d.key[1], 0,
+                "default_stream_capture", d.pool_id, d.key[1], 0,
                 f"a capture began on the default stream of device {d.key[1]} at {d.site or '(unknown)'}: {what}. "
                 f"{side_stream_fix(world)}", (d.at,), d.scope, (d.site,) if d.site else (),
                 tuple(t for t in (d.test,) if t)))

@@ -102,6 +102,24 @@ def what_pins(backend: Backend, keys: list[Key], known: dict[int, str] | None = 
     return sorted(pins, key=lambda p: -p.bytes)
 
 
+def graph_holder(entries: list) -> str | None:
+    """Who holds the first of these graphs (ledger entries, weak references) that Python can name: a graph
+    never reset after its engine's release is kept by someone, and that someone is the fix. None where no
+    Python object names any (a C++ holder, or all of them gone)."""
+    here = sys._getframe()
+    for entry in entries:
+        graph = entry()
+        if graph is None:
+            continue
+        try:
+            named = _holder(graph, {id(here), id(here.f_back)}, depth=5)  # up to where the engine keeps it
+        finally:
+            del graph
+        if named is not None:
+            return named
+    return None
+
+
 def _blocks_of(backend: Backend, t: torch.Tensor, blocks: list[tuple]) -> list[int]:
     span = backend.storage_span(t)
     if span is None:
