@@ -71,9 +71,9 @@ def _on_rank(payload: bytes) -> bytes:
         value = fn(*args, **kwargs)
         return cloudpickle.dumps((rank, os.getpid(), "ok", value, poisoned_since(seq)))
     except BaseException as e:
-        import traceback
+        from cudagraph_lifecycle.ledger import shown_traceback
 
-        return cloudpickle.dumps((rank, os.getpid(), "err", (type(e).__qualname__, str(e), traceback.format_exc()),
+        return cloudpickle.dumps((rank, os.getpid(), "err", (type(e).__qualname__, str(e), shown_traceback(e)),
                                   poisoned_since(seq)))
 
 
@@ -174,6 +174,7 @@ class MPIRanks:
         self.controller.findings_call = (_ranks_findings, (ranks, list(sys.path)))
 
     def call_all(self, fn, *args: Any, **kwargs: Any) -> list[tuple[int, int, Any]]:
+        __tracebackhide__ = True  # a rank's error points at the test's call (its own traceback is in the message)
         payload = dumps_call(fn, args, kwargs)
         results = self.controller.call(_call_all, self.ranks, payload, list(sys.path))
         failures = [(rank, pid, v) for rank, pid, status, v, _ in results if status == "err"]

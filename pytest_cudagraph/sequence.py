@@ -119,6 +119,7 @@ class EngineSequence:
 
     def __call__(self, factory: Callable[[Any], Any], n: int | None = None, *, check: bool = True,
                  output: str = "hold", atol: float = 1e-4, reload: Callable[[Any], Any] | None = None) -> list[dict]:
+        __tracebackhide__ = True  # a failure points at the test's call
         from cudagraph_lifecycle.errors import ConfigError
 
         n = self._default_n if n is None else n

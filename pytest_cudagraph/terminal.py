@@ -24,6 +24,19 @@ def _mib(n: int) -> str:
     return "0" if not n else f"{n / 2**20:.1f}M" if n >= 2**20 else f"{n}B"
 
 
+def short_id(nodeid: str, width: int) -> str:
+    """A test id cut to ``width``, keeping its file's name and the end of the test's name (where parameters
+    and the words that tell tests apart are): ``test_lifecycle.py::…on_its_second_instance``."""
+    if len(nodeid) <= width:
+        return nodeid
+    path, sep, test = nodeid.partition("::")
+    head = path.rsplit("/", 1)[-1] + sep
+    if len(head) > width // 2:
+        head = head[:width // 2 - 1] + "…" + sep
+    room = width - len(head) - 1
+    return head + "…" + test[-room:] if room > 0 else nodeid[-width:]
+
+
 def lifecycle_section(tr: Any, state: dict, backend: str | None) -> None:
     cycles = rows(state)
     if not cycles:
@@ -33,7 +46,7 @@ def lifecycle_section(tr: Any, state: dict, backend: str | None) -> None:
                   f"{'pool':>7} {'held':>7} {'leaked':>7} {'growth':>7} verdict")
     for nodeid, c in cycles:
         pools = ",".join(f"{p[1][0]}:{p[1][1]}" for p in c.get("pool_ids") or []) or "-"
-        name = nodeid if len(nodeid) <= 44 else "…" + nodeid[-43:]
+        name = short_id(nodeid, 44)
         verdict = c.get("verdict", "?") + (" FAILED" if c.get("failed") else "")
         tr.write_line(
             f"{name:<44} {c['index']:>2} {_who(c):>9} {pools:>9} {c.get('graphs', 0):>6} "
@@ -70,7 +83,7 @@ def findings_section(tr: Any, state: dict) -> None:
         rank = f" of rank {f['rank']}" if f.get("rank") is not None else ""
         began = f["kind"] == "default_stream_capture"  # a capture that never happened: no pool, no bytes
         what = f"device {f['device']}{rank}" if began else \
-            f"pool {tuple(f['pool_id'])} on device {f['device']}{rank}, {_mib(f['bytes'])}"
+            f"pool {tuple(f['pool_id'])} on device {f['device']}{rank}" + (f", {_mib(f['bytes'])}" if f["bytes"] else "")
         tr.write_line(f"{nodeid}: {f['kind']}: {what}{made}")
         tr.write_line(f"    {f['message']}")
         for site in f.get("sites") or []:

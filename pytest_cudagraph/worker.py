@@ -305,9 +305,10 @@ def _child_main(conn, stderr_path: str, sys_path: list[str], env: dict[str, str]
                 reply = dumps(("err", poisoned_since(seq), "UnpicklableResult",
                                f"the worker's return value cannot be pickled: {e}", ""))
         except BaseException as e:  # report everything, SystemExit included, and keep serving
-            tb = traceback.format_exc()
-            print(tb, file=sys.stderr, flush=True)
-            reply = dumps(("err", poisoned_since(seq), type(e).__qualname__, str(e), tb))
+            print(traceback.format_exc(), file=sys.stderr, flush=True)  # in full, for a crash report
+            from cudagraph_lifecycle.ledger import shown_traceback
+
+            reply = dumps(("err", poisoned_since(seq), type(e).__qualname__, str(e), shown_traceback(e)))
             del e
         _send_message(reader.fd, reply)
 
@@ -378,7 +379,7 @@ def finding_key(f: dict) -> tuple:
     """What tells two findings apart across processes: pool ids are unique only within one (pid), pids are
     reused (the worker's child), and MPI ranks share a worker."""
     key = f.get("pid"), f.get("worker"), f.get("rank"), f["kind"], tuple(f["pool_id"] or ()), f["device"]
-    if f["kind"] == "default_stream_capture":  # about a line and a test, not a pool
+    if f["kind"] in ("default_stream_capture", "stale_capture"):  # about a line and a test, not only a pool
         key += (tuple(f.get("sites") or ()), tuple(f.get("tests") or ()))
     return key
 
@@ -851,6 +852,7 @@ class ReusedWorker:
                 raise self._timeout_report(proc, self._during(number, fn), limit)
 
     def call(self, fn, *args: Any, **kwargs: Any) -> Any:
+        __tracebackhide__ = True  # the child's error points at the test's call (its traceback is in the message)
         # pickled before the start: a callable that cannot travel fails without starting a child
         forked_main = self._forked_main
         payload = dumps_call(fn, args, kwargs, forked_main)

@@ -536,6 +536,73 @@ def test_an_engine_capturing_on_the_default_stream(cudagraph_worker, engine, san
         assert "test_findings.py" in p["message"] and "whose error the engine caught" in p["message"]
 
 
+class KeptHandleEngine:
+    """Keeps its pool id on the class across engines, and runs eagerly when its capture fails (it catches the
+    error), as servers do: a kept handle's stale capture never reaches the cycle."""
+
+    pool = None
+
+    def __init__(self, be):
+        self.be, self.w, self.g = be, be.randn(8), None
+
+    def capture(self):
+        be = self.be
+        if KeptHandleEngine.pool is None:
+            KeptHandleEngine.pool = be.graph_pool_handle()
+        g = be.new_graph()
+        try:
+            with be.stream(be.capture_stream(0)):
+                g.capture_begin(pool=KeptHandleEngine.pool)
+                self.y = self.w * 2
+                g.capture_end()
+            self.g = g
+        except RuntimeError:
+            self.g = None
+
+    def run(self, x):
+        if self.g is None:
+            return self.w * 2  # eager
+        self.g.replay()
+        return self.y
+
+    def eager(self, x):
+        return self.w * 2
+
+    def example_input(self):
+        return self.w
+
+    def release(self):
+        if self.g is not None:
+            self.g.reset()
+        self.g = None
+
+
+def _kept_handle_cycles(sanitized):
+    """Two cycles of KeptHandleEngine in an isolated sim world, holding the first engine's output."""
+    from cudagraph_lifecycle.cycle import run_cycle
+
+    KeptHandleEngine.pool = None
+    be = SimBackend()
+    san = PoolSanitizer(be).start() if sanitized else None
+    try:
+        return run_cycle(KeptHandleEngine, be, 0, test="t") + run_cycle(KeptHandleEngine, be, 1, test="t")
+    finally:
+        if san:
+            san.stop()
+
+
+@pytest.mark.parametrize("sanitized", [True, False])
+def test_a_stale_capture_the_engine_caught_is_still_stale(cudagraph_worker, sanitized):
+    """The engine catches the error and runs eagerly: the cycle is stale all the same, naming the line that
+    tried; without a sanitizer the allocator asserted, so the process is poisoned (the worker is replaced)."""
+    recs = cudagraph_worker.call(_kept_handle_cycles, sanitized)
+    last = recs[-1]
+    assert last["index"] == 1 and last["verdict"] == "stale" and last["poisoned"] is not sanitized, last
+    (p,) = [p for p in last["problems"] if p["kind"] == "stale"]
+    assert "whose error the engine caught" in p["message"] and "test_findings.py" in p["message"]
+    assert ("sanitizer refused it" in p["message"]) is sanitized and "[engine 0]" in p["message"]
+
+
 def _under_the_workers_sanitizer(engine, strict=False):
     from cudagraph_lifecycle.cycle import run_cycle
 

@@ -59,6 +59,8 @@ def run_failing_sequence(pytester, call):
     ''')
     res = run(pytester)
     res.assert_outcomes(failed=1)
+    out = res.stdout.str()  # the failure is the engine's: none of the plugin's own source is shown
+    assert "def check_record" not in out and "def __call__" not in out and "def call(" not in out, out
     return res
 
 
@@ -405,3 +407,11 @@ def test_default_pool_growth_is_what_an_engine_leaves_in_the_table_units(pyteste
     # the first row's growth in MiB like the other columns (20 MiB: the segment the 4 MiB block took)
     res.stdout.fnmatch_lines(["*test_g.py::test_seq * 0 * 20.0M fresh", "*test_g.py::test_seq * 1 * 0 fresh",
                               "*default pool: 20.0M held from before this engine went during it*"])
+
+
+def test_a_long_test_id_in_the_lifecycle_table_keeps_its_files_name():
+    from pytest_cudagraph.terminal import short_id
+
+    cut = short_id("examples/test_lifecycle.py::test_naive_engine_fails_on_its_second_instance", 44)
+    assert len(cut) == 44 and cut.startswith("test_lifecycle.py::…") and cut.endswith("its_second_instance")
+    assert short_id("t.py::test_x", 44) == "t.py::test_x"

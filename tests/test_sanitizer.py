@@ -54,7 +54,44 @@ def test_sanitizer_catches_stale_pool_before_the_allocator(sim):
     msg = str(e.value)
     assert "in mint_here" in msg and "in release_here" in msg and "live tensor" in msg
     assert be.poisoned is None and san.stale_caught == 1  # the allocator never saw it
+    # the line that tried, in the first line of the error and as a stack of its own
+    assert e.value.site.endswith("in test_sanitizer_catches_stale_pool_before_the_allocator")
+    assert f"at {e.value.site}:" in msg.splitlines()[0] and "--- the capture began at ---" in msg
     assert c.step(be.new_graph(), be.graph_pool_handle()).numel() > 0  # the process goes on
+
+
+def test_a_refused_stale_capture_is_a_finding_even_when_the_error_was_caught(sim):
+    """An engine that catches the StalePoolError and runs eagerly hides it from its caller: the finding
+    names the line that tried, and that the sanitizer refused it."""
+    be, san, c = sim
+    h = mint_here(be)
+    g = be.new_graph()
+    y = c.step(g, h)  # noqa: F841 - the output pins the pool
+    release_here(g)
+    try:
+        c.step(be.new_graph(), h)
+    except StalePoolError:
+        pass  # falls back to eager
+    (f,) = [f for f in san.findings() if f.kind == "stale_capture"]
+    assert f.pool_id == tuple(h) and f.sites[0].endswith("in test_a_refused_stale_capture_is_a_finding_even_when_"
+                                                         "the_error_was_caught")
+    assert "refused before the allocator saw it" in f.message and "in mint_here" in "".join(f.stacks)
+
+
+def test_an_unjudged_stale_capture_is_a_finding_that_says_the_allocator_asserted():
+    """Observed but judged by no sanitizer (one of another world): the allocator asserts, and the finding of a
+    sanitizer of that world says the process is poisoned."""
+    be, other = SimBackend(), SimBackend()
+    with PoolSanitizer(other):
+        c = Ctx(be)
+        h = be.graph_pool_handle()
+        g = be.new_graph()
+        y = c.step(g, h)  # noqa: F841
+        g.reset()
+        with pytest.raises(RuntimeError, match="use_count > 0"):
+            c.step(be.new_graph(), h)
+        (f,) = [f for f in PoolSanitizer(be).findings() if f.kind == "stale_capture"]
+        assert "the allocator asserted 'use_count > 0' and the process is poisoned" in f.message
 
 
 def test_sanitizer_stale_after_empty_cache_names_the_host_ledger(sim):

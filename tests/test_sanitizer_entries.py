@@ -75,7 +75,7 @@ STRICT_EXIT = "cudagraph sanitizer: CUDAGRAPH_SANITIZE=strict and 1 finding(s): 
 def _run_pinned(args, mode, tmp_path, *program_args, env_extra=None):
     script = tmp_path / "user_code.py"
     script.write_text(PINNED)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("CUDAGRAPH_", "OMPI_", "PMI"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CUDAGRAPH_", "OMPI_", "PMI", "PYTEST_XDIST_"))}
     env.update({"CUDAGRAPH_SANITIZE": mode, "CUDAGRAPH_SANITIZE_BACKEND": "sim", **(env_extra or {})})
     return subprocess.run([sys.executable, *args, "user_code.py", *program_args], capture_output=True, text=True,
                           env=env, timeout=120, cwd=tmp_path)
@@ -215,7 +215,7 @@ def test_the_command_runs_a_module_as_python_m_does(tmp_path):
     """`-m MODULE`: found on sys.path from the working folder, run as __main__ with its file as argv[0], its
     findings read while it is still __main__."""
     (tmp_path / "servemod.py").write_text(PINNED)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("CUDAGRAPH_", "OMPI_", "PMI"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CUDAGRAPH_", "OMPI_", "PMI", "PYTEST_XDIST_"))}
     env.update({"CUDAGRAPH_SANITIZE": "strict", "CUDAGRAPH_SANITIZE_BACKEND": "sim"})
     p = subprocess.run([sys.executable, "-m", COMMAND, "-m", "servemod", "--exit", "0"], capture_output=True,
                        text=True, env=env, timeout=120, cwd=tmp_path)

@@ -112,6 +112,9 @@ def test_remote_exception_carries_the_child_traceback(worker):
         worker.call(boom)
     assert e.value.type_name == "KeyError" and "def boom" not in e.value.remote_traceback
     assert "in boom" in e.value.remote_traceback
+    # the user's frames only (not the worker's loop), and the message once, in the error's first line
+    assert "_child_main" not in e.value.remote_traceback, e.value.remote_traceback
+    assert not e.value.remote_traceback.rstrip().endswith("missing thing'")
     assert worker.call(bump)[0] == 1  # the same worker goes on
 
 

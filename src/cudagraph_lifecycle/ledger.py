@@ -89,6 +89,25 @@ def _machinery(filename: str) -> bool:
     return os.path.abspath(filename).startswith(_machinery_dirs())  # (a code object's file may be relative)
 
 
+def shown_traceback(exc: BaseException) -> str:
+    """``exc``'s traceback as a user reads it: without the machinery's frames (as :class:`Stack` shows a stack),
+    unless nothing else is left, and without the closing ``Type: message`` lines, which the caller shows."""
+    te = traceback.TracebackException.from_exception(exc)
+    seen: set[int] = set()
+    todo = [te]
+    while todo:  # the exception and those chained to it
+        t = todo.pop()
+        if t is None or id(t) in seen:
+            continue
+        seen.add(id(t))
+        kept = [f for f in t.stack if not _machinery(f.filename)]
+        if kept:
+            t.stack = traceback.StackSummary.from_list(kept)
+        todo += [t.__cause__, t.__context__]
+    text, tail = "".join(te.format()), "".join(te.format_exception_only())
+    return text[:-len(tail)] if text.endswith(tail) else text
+
+
 class Stack:
     """A call stack taken cheaply and formatted when shown: code objects and instruction offsets, flat
     (code, offset, code, offset, ...). No line number is decoded and no frame is kept alive: captures are
@@ -318,16 +337,21 @@ class DefaultStreamCapture:
 
 @dataclass(frozen=True)
 class StaleAttempt:
-    """A capture (or allocation) into a dead pool, seen before the allocator ran it."""
+    """A capture into a dead pool, seen before the allocator ran it. ``refused``: a judge was there to stop
+    it (the sanitizer raises ``StalePoolError``); otherwise the allocator asserts, and the process is poisoned."""
 
     key: Key
     scope: str | None
     seq: int
-    owner: str | None
+    owner: str | None  # the engine scope that made the pool
     minted_at: str
     released_at: str
     device_dead: bool
     host_dead: bool
+    test: str | None = None
+    at: str = ""  # the capture's stack, as shown
+    site: str = ""  # file:line in function of the user's code that began the capture
+    refused: bool = False
 
 
 class Ledger:
@@ -416,9 +440,10 @@ class Ledger:
                 del self.graphs[gid]
             for key in [k for k in self.minted if k[0] == world]:
                 del self.minted[key]
-            others = [d for d in self.default_stream if d.key[0] != world]  # (cleared in place: wrappers hold it)
-            self.default_stream.clear()
-            self.default_stream.extend(others)
+            for events in (self.default_stream, self.stale):  # (cleared in place: wrappers hold them)
+                others = [d for d in events if d.key[0] != world]
+                events.clear()
+                events.extend(others)
 
     # the books ---------------------------------------------------------------------------------------
     def entry(self, world: Any, device: int, pool_id: PoolId) -> PoolEntry:
@@ -542,10 +567,11 @@ class Ledger:
             if e is not None and e.minted_at is None:
                 e.minted_at = where
 
-    def stale_attempt(self, e: PoolEntry) -> StaleAttempt:
+    def stale_attempt(self, e: PoolEntry, where: Stack | None = None, refused: bool = False) -> StaleAttempt:
         attempt = StaleAttempt(
             e.key, self.scope, self.next_seq(), e.owner, str(e.minted_at or ""), str(e.released_at or ""),
-            e.device_count <= 0 and e.device_alive, e.host_count <= 0 and e.host_alive)
+            e.device_count <= 0 and e.device_alive, e.host_count <= 0 and e.host_alive, self.test,
+            str(where or ""), where.site() if where is not None else "", refused)
         self.stale.append(attempt)
         return attempt
 

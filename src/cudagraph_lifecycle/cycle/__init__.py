@@ -23,6 +23,7 @@ from .steps import (
     budget,
     build,
     capture,
+    caught_stale,
     check_held,
     exercise,
     failed,
@@ -99,6 +100,7 @@ def run_cycle(
         except Exception as e:
             failed(e, rec, be, since, "capture" if engine is not None else "build")
         refused_on_default_stream(rec, be, since)
+        caught_stale(rec, be, since)
         if rec.poisoned:  # nothing more can run on this allocator: the worker is replaced
             return [r.as_dict() for r in done] + [rec.as_dict()]
         previous = check_held(be, caller, set(ledger.pools_of_scope(be.world, label)))
@@ -113,6 +115,7 @@ def run_cycle(
             except Exception as e:
                 failed(e, rec, be, since, "run")
             refused_on_default_stream(rec, be, since)
+            caught_stale(rec, be, since)
             rec.pool_bytes = sum(be.pool_state(k[2], k[1]).reserved_bytes
                                  for k in ledger.pools_of_scope(be.world, label))
         if engine is not None and not rec.poisoned:

@@ -156,7 +156,8 @@ def failed(e: BaseException, rec: CycleRecord, be: Backend, since: int, step: st
         else:
             msg = f"the allocator asserted during {step}: {first}"
             if a is not None:
-                msg += (f" -- a capture into pool {a.key[2]} on device {a.key[1]}, dead since its last graph was "
+                msg += (f" -- a capture into pool {a.key[2]} on device {a.key[1]}"
+                        f"{f' at {a.site}' if a.site else ''}, dead since its last graph was "
                         f"released{f' (made by {a.owner})' if a.owner else ''}\n--- pool minted at ---\n"
                         f"{a.minted_at or '(not seen)'}--- its last graph was released at ---\n{a.released_at or '(not seen)'}")
         rec.add("stale", msg)
@@ -186,6 +187,29 @@ def refused_on_default_stream(rec: CycleRecord, be: Backend, since: int) -> None
         rec.poisoned = True
         rec.add("error", f"a capture on the default stream at {seen[-1].site or '(unknown)'}, whose error the engine "
                 f"caught: {_poisoned_by_refusal(be)}")
+
+
+def caught_stale(rec: CycleRecord, be: Backend, since: int) -> None:
+    """A capture into a dead pool during this cycle whose error the engine caught (it went on without that
+    graph, eagerly): stale all the same. Where no sanitizer refused it, the allocator asserted: poisoned."""
+    if any(p.kind == "stale" for p in rec.problems):
+        return
+    seen = ledger.stale_since(since, be.world)
+    if not seen:
+        return
+    a = seen[-1]
+    if [a.key[1], list(a.key[2])] not in rec.pool_ids:
+        rec.pool_ids.append([a.key[1], list(a.key[2])])
+    if not a.refused:
+        rec.poisoned = True
+    what = ("the sanitizer refused it (StalePoolError)" if a.refused else
+            "the allocator asserted ('use_count > 0 INTERNAL ASSERT FAILED') and the process is poisoned")
+    rec.add("stale", f"a capture into stale pool {a.key[2]} on device {a.key[1]} at {a.site or '(unknown)'}, whose "
+                     f"error the engine caught (it went on without that graph): {what}."
+                     f"{f' The pool was made by {a.owner}.' if a.owner else ''} Mint a fresh pool per engine "
+                     "(cudagraph_lifecycle.LazyPool) instead of keeping its id.\n"
+                     f"--- the capture began at ---\n{a.at or '(not seen)'}--- pool minted at ---\n"
+                     f"{a.minted_at or '(not seen)'}--- its last graph was released at ---\n{a.released_at or '(not seen)'}")
 
 
 def check_held(be: Backend, caller: Caller, current: set[Key]) -> CycleRecord | None:

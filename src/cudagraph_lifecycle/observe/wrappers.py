@@ -55,9 +55,10 @@ class Hooks:
             e = led.dead.get((world, device, pool))
         if e is None:
             return
-        with led.lock:
-            attempt = led.stale_attempt(e)
         rules = self.judges.get(world)
+        where = Stack.here(2)  # only where a pool is dead: off the common path
+        with led.lock:
+            attempt = led.stale_attempt(e, where, bool(rules))
         if rules:
             rules[-1](attempt)
 

@@ -1,6 +1,8 @@
 """Findings about graph pools, read from the ledger: graphs never reset, released pools whose bytes a live
 tensor pins, pools that hold references with no live graph, pools torn down with live blocks under
-expandable segments, and captures begun on the default stream (refused, or poisoning the process's random ops). Each names where it came from: the user's lines that captured into the pool
+expandable segments, captures begun on the default stream (refused, or poisoning the process's random ops),
+and captures into dead pools (refused, or the allocator's assert), also where the engine caught the error.
+Each names where it came from: the user's lines that captured into the pool
 (``sites``), the tests that did (``tests``, when the pytest plugin is loaded) and the engine whose capture
 made it."""
 
@@ -14,7 +16,7 @@ from ..ledger import ledger
 from .stale import side_stream_fix
 
 FINDING_KINDS = ("unreleased_graph", "pinned_pool", "pool_never_retired", "expandable_teardown",
-                 "default_stream_capture")
+                 "default_stream_capture", "stale_capture")
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,17 @@ def collect(backend: Backend, since: int = 0, scope: str | None = None) -> list[
                 f"a capture began on the default stream of device {d.key[1]} at {d.site or '(unknown)'}: {what}. "
                 f"{side_stream_fix(world)}", (d.at,), d.scope, (d.site,) if d.site else (),
                 tuple(t for t in (d.test,) if t)))
+    for a in ledger.stale_since(since, world):
+        if scope is None or a.scope == scope:
+            what = ("refused before the allocator saw it (StalePoolError)" if a.refused else
+                    "the allocator asserted 'use_count > 0' and the process is poisoned: only a new one recovers")
+            made = f" (made by {a.owner})" if a.owner else ""
+            out.append(Finding(
+                "stale_capture", a.key[2], a.key[1], 0,
+                f"a capture into pool {a.key[2]}{made} at {a.site or '(unknown)'}, after all its graphs were "
+                f"released: {what}. Mint a fresh pool per engine (cudagraph_lifecycle.LazyPool) instead of keeping "
+                "that pool's id", tuple(x for x in (a.at, a.minted_at, a.released_at) if x), a.scope,
+                (a.site,) if a.site else (), tuple(t for t in (a.test,) if t)))
     for g in ledger.live_graphs(world):
         if g.seq > since and (scope is None or g.scope == scope):
             out.append(Finding(

@@ -33,16 +33,18 @@ def stale_error(backend: Backend, attempt: StaleAttempt) -> StalePoolError:
     if attempt.host_dead:
         why.append("the host allocator's ledger still has the id (torch._C._host_emptyCache has not run)")
     made_by = f" It was made by {attempt.owner}." if attempt.owner else ""
+    at = f" at {attempt.site}" if attempt.site else ""
     err = StalePoolError(
-        f"capture into stale pool {tuple(pool_id)} on device {device}: all its graphs were released, but "
+        f"capture into stale pool {tuple(pool_id)} on device {device}{at}: all its graphs were released, but "
         + " and ".join(why)
         + ". The real capture_begin would fail with 'use_count > 0 INTERNAL ASSERT FAILED' and poison the "
         f"process.{made_by} Mint a fresh pool per engine (cudagraph_lifecycle.LazyPool) instead of keeping this "
         "id.\n"
-        f"--- pool minted at ---\n{attempt.minted_at or '(not seen: minted before observation started)'}"
+        + (f"--- the capture began at ---\n{attempt.at}" if attempt.at else "")
+        + f"--- pool minted at ---\n{attempt.minted_at or '(not seen: minted before observation started)'}"
         f"--- its last graph was released at ---\n{attempt.released_at or '(not seen)'}"
     )
-    err.pool_id, err.device, err.owner = tuple(pool_id), device, attempt.owner
+    err.pool_id, err.device, err.owner, err.site = tuple(pool_id), device, attempt.owner, attempt.site
     return err
 
 
