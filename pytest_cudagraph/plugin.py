@@ -32,7 +32,7 @@ from .fixtures import (  # noqa: F401 - fixtures are registered by import
 )
 from .gpu import pin_xdist_worker
 from .mpi import mpi_unavailable_reason
-from .settings import CALL_FAILED, SETTINGS_KEY, STATE_KEY, effective_backend
+from .settings import CALL_FAILED, SETTINGS_KEY, STATE_KEY, effective_backend, program_sanitizer_mode
 from .worker import close_all_workers, resolve_start_method
 
 MARKERS = ("cudagraph", "gpu", "mpi", "cudagraph_engines")
@@ -171,16 +171,18 @@ def _warn_marker_without_effect(item: pytest.Item) -> None:
 
 
 def pytest_report_collectionfinish(config: pytest.Config, start_path, items) -> list[str]:
-    """The plugin's one header line, shown only where a collected test uses it (resolving the backend may
-    import torch)."""
+    """The plugin's one header line, shown only where a collected test uses it, or a program-wide sanitizer
+    reports under the tests (resolving the backend may import torch)."""
     s = config.stash.get(SETTINGS_KEY, None)
-    if s is None or not s.get("used"):
+    program = program_sanitizer_mode()  # its findings are reported under the tests: a session that uses it
+    if s is None or not (s.get("used") or program):
         return []
     backend = effective_backend(config)
     return [
         f"cudagraph: backend={s['backend']} (effective {backend}), gpus={s['gpus']}, "
-        f"workers start by {s['start_reason']}, timeout={s['timeout']:g}s, sanitize={s['sanitize']}, "
-        f"engines held by {s['worker']}" + (f" ({s['mpi_ranks']} ranks)" if s["worker"] == "mpi" else "")
+        f"workers start by {s['start_reason']}, timeout={s['timeout']:g}s, sanitize={s['sanitize']}"
+        + (f" (and program-wide CUDAGRAPH_SANITIZE={program})" if program else "")
+        + f", engines held by {s['worker']}" + (f" ({s['mpi_ranks']} ranks)" if s["worker"] == "mpi" else "")
     ]
 
 

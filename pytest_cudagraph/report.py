@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from .settings import program_sanitizer_mode
 from .worker import finding_key
 
 CYCLES = "cudagraph_cycles"  # user property: the test's engine cycles, as JSON
@@ -119,6 +120,7 @@ def write(path: str, s: dict, state: dict, exitstatus: int) -> None:
             "gpus": s.get("gpus"),
             "start_method": s.get("start_method_effective"),
             "sanitize": s["sanitize"],
+            "program_sanitize": program_sanitizer_mode(),  # CUDAGRAPH_SANITIZE's sanitizer, where installed
             "expandable_teardown": s["expandable_teardown"],
             "max_growth": s["max_growth"],
             "exitstatus": int(exitstatus),

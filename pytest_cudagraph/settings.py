@@ -9,6 +9,7 @@ needs it (:func:`effective_backend`).
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -224,6 +225,14 @@ def describe_source(s: dict[str, Any], key: str) -> str:
     if o.kind == "bool" and source == "cli":
         return where(o, source)
     return f"{where(o, source)}={s.get('raw', {}).get(key, s[key])}"
+
+
+def program_sanitizer_mode() -> str | None:
+    """The program-wide sanitizer's mode (``CUDAGRAPH_SANITIZE``), where one is installed; its variable's
+    name is one word from the plugin's own option (CUDAGRAPH_SANITIZE_MODE), so the header shows both."""
+    env = sys.modules.get("cudagraph_lifecycle.sanitizer.env")
+    san = env.global_sanitizer() if env is not None else None
+    return None if san is None else ("strict" if san.mode == "strict" else "1")
 
 
 def effective_backend(config: pytest.Config) -> str:

@@ -404,10 +404,16 @@ def test_the_plugins_strict_mode_leaves_the_program_wide_sanitizers_findings_to_
     monkeypatch.setenv("CUDAGRAPH_SANITIZE", "1")
     monkeypatch.setenv("CUDAGRAPH_SANITIZE_BACKEND", "sim")
     pytester.makepyfile(test_s=SESSION_TESTS)
-    res = pytester.runpytest_subprocess("-p", "cudagraph", "-p", "no:cacheprovider", "--cudagraph-sanitize=strict")
+    report = pytester.path / "r.json"
+    res = pytester.runpytest_subprocess("-p", "cudagraph", "-p", "no:cacheprovider", "--cudagraph-sanitize=strict",
+                                        f"--cudagraph-report={report}")
     res.assert_outcomes(passed=3)
     assert res.ret == 0
     res.stdout.fnmatch_lines(["2 sanitizer finding(s)"])
+    # the header and the report tell the two sanitizers apart (their variables differ by one word)
+    res.stdout.fnmatch_lines(["cudagraph: *sanitize=strict (and program-wide CUDAGRAPH_SANITIZE=1), engines held*"])
+    meta = json.loads(report.read_text())["meta"]
+    assert meta["sanitize"] == "strict" and meta["program_sanitize"] == "1"
 
 
 def test_a_shared_workers_finding_alone_fails_a_strict_session(pytester):
@@ -601,6 +607,66 @@ def test_a_stale_capture_the_engine_caught_is_still_stale(cudagraph_worker, sani
     (p,) = [p for p in last["problems"] if p["kind"] == "stale"]
     assert "whose error the engine caught" in p["message"] and "test_findings.py" in p["message"]
     assert ("sanitizer refused it" in p["message"]) is sanitized and "[engine 0]" in p["message"]
+
+
+class MemPoolOnTheClass:
+    """Keeps one MemPool on the class across engines (a model server's reload keeps it): after release its
+    pool keeps its segments reserved, with every block free."""
+
+    POOL = None
+
+    def __init__(self, be):
+        self.be, self.w, self.g = be, be.randn(8), None
+        if MemPoolOnTheClass.POOL is None:
+            MemPoolOnTheClass.POOL = be.mempool(0)
+
+    def capture(self):
+        self.g = self.be.new_graph()
+        with self.be.graph(self.g, pool=MemPoolOnTheClass.POOL.id):
+            self.y = self.w * 2
+
+    def run(self, x):
+        self.g.replay()
+        return self.y
+
+    def eager(self, x):
+        return self.w * 2
+
+    def example_input(self):
+        return self.w
+
+    def release(self):
+        self.g.reset()
+        self.g = self.y = None
+
+
+def _mempool_on_the_class_cycle():
+    from cudagraph_lifecycle.cycle import run_cycle
+
+    MemPoolOnTheClass.POOL = None
+    return run_cycle(MemPoolOnTheClass, SimBackend(), 0, output="drop", test="t")
+
+
+def test_a_mempool_kept_on_a_class_is_named_as_what_keeps_the_pool(cudagraph_worker):
+    """Every block of the pool is free, so no tensor pins it: its MemPool object does, and who holds that is
+    named (in a reused worker, whose start-up heap is frozen, as in a plain process)."""
+    (rec,) = cudagraph_worker.call(_mempool_on_the_class_cycle)
+    assert rec["verdict"] == "leaked", rec
+    (p,) = [p for p in rec["problems"] if p["kind"] == "leaked"]
+    assert "MemPool object is alive, held as class attribute `POOL` of MemPoolOnTheClass" in p["message"], p
+    assert "a tensor allocated in its captures" not in p["message"]
+
+
+def test_a_mempool_kept_on_a_class_is_named_in_a_finding():
+    be = SimBackend()
+    with PoolSanitizer(be) as san:
+        MemPoolOnTheClass.POOL = None
+        eng = MemPoolOnTheClass(be)
+        eng.capture()
+        eng.release()
+        (f,) = san.findings()
+        assert f.kind == "pool_never_retired" and "class attribute `POOL` of MemPoolOnTheClass" in f.message, f
+    MemPoolOnTheClass.POOL = None
 
 
 def _under_the_workers_sanitizer(engine, strict=False):

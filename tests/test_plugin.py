@@ -332,7 +332,8 @@ def test_sanitizer_findings_in_report_and_strict(pytester):
     assert t["sanitizer"][0]["kind"] == "unreleased_graph"
     res.stdout.fnmatch_lines(["*= cudagraph sanitizer =*",
                               "test_a.py::test_leaves_a_graph: unreleased_graph: pool (*) on device 0*",
-                              "*at *test_a.py:9 in test_leaves_a_graph was never reset",
+                              "*at *test_a.py:9 in test_leaves_a_graph was never reset: it is held as an item of "
+                              "a tuple (attribute `keep` of a function object*",
                               "    captured at *test_a.py:9 in test_leaves_a_graph", "1 sanitizer finding(s)"])
     res = run(pytester, "--cudagraph-sanitize=strict")
     res.assert_outcomes(passed=1, errors=1)

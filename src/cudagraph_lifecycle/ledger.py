@@ -377,6 +377,9 @@ class Ledger:
         self.unreplayed_by_scope: dict[str, int] = {}  # the scope's graphs that went without one replay
         self.hazards: deque[TeardownHazard] = deque(maxlen=256)
         self.default_stream: deque[DefaultStreamCapture] = deque(maxlen=256)
+        # pool -> a weak reference to the MemPool object that made it: while it lives, the pool does (a leak
+        # whose blocks are all free is that object's holder's, and a finding names it)
+        self.mempools: dict[Key, weakref.ref] = {}
         # scopes under a pool-bytes budget -> the most bytes their pools were seen to hold together: an
         # allocator frees a dead pool's segments only at a cache flush, so a read before each flush and one
         # at the end give the peak
@@ -403,7 +406,7 @@ class Ledger:
         """Forget everything (a forked child). Containers are cleared in place: wrappers hold them."""
         self.lock = threading.RLock()
         for container in (self.pools, self.dead, self.host_dead, self.graphs, self.minted, self.erased, self.stale,
-                          self.pending, self.pending_keys):
+                          self.pending, self.pending_keys, self.mempools):
             container.clear()
         self.retired.clear()
         for counts in (self.captures_by_scope, self.replays_by_scope, self.unreplayed_by_scope, self.hazards,
@@ -432,7 +435,7 @@ class Ledger:
             self.unsettled.pop(world, None)
             self.flushes.pop(world, None)
             self.unflushed.pop(world, None)
-            for store in (self.pools, self.dead, self.host_dead, self.erased):
+            for store in (self.pools, self.dead, self.host_dead, self.erased, self.mempools):
                 for key in [k for k in store if k[0] == world]:
                     del store[key]
             self.retired = {k for k in self.retired if k[0] != world}

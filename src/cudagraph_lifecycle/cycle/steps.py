@@ -26,7 +26,7 @@ from ..errors import (
     StalePoolError,
 )
 from ..ledger import Key, ledger
-from ..sanitizer.pins import describe, graph_holder, what_pins
+from ..sanitizer.pins import describe, graph_holder, mempool_notes, what_pins
 from ..sanitizer.stale import side_stream_fix
 from ..sizes import size_text
 from ..trees import leaves
@@ -229,9 +229,9 @@ def check_held(be: Backend, caller: Caller, current: set[Key]) -> CycleRecord | 
         rec.held_bytes = max(0, rec.held_bytes - left)
         rec.leaked_bytes += left
         pins = what_pins(be, pools)
+        why = "; ".join(([describe(pins)] if pins else []) + mempool_notes(pools)) or "something else pins them"
         rec.add("leaked", f"once the caller dropped this engine's output, its pools "
-                          f"{[k[2] for k in pools]} still held {left} bytes: "
-                          + (describe(pins) if pins else "something else pins them"),
+                          f"{[k[2] for k in pools]} still held {left} bytes: " + why,
                 left, _stacks(be, pools), [p.as_dict() for p in pins])
     else:
         rec.settle_verdict()
@@ -266,8 +266,9 @@ def judge(be: Backend, rec: CycleRecord, output: Any, hold: bool, declared: list
         pinned = [k for k, b in left.items() if b]
         known = {id(t): "the copy of its output the caller keeps" for t in leaves(output)}
         pins = what_pins(be, pinned, known)
+        why = "; ".join(([describe(pins)] if pins else []) + mempool_notes(pinned)) or _leak_hint(output)
         rec.add("leaked", f"after release its pools {[k[2] for k in pinned]} still hold {total} bytes that no "
-                          "output the caller holds pins: " + (describe(pins) if pins else _leak_hint(output)),
+                          "output the caller holds pins: " + why,
                 total, _stacks(be, list(keys)), [p.as_dict() for p in pins])
     for k in keys:
         earlier = [s for s in ledger.scopes_of(*k) if s != label]

@@ -339,6 +339,8 @@ def mempool_init(api: GraphAPI, hooks: Hooks, original):
         where = Stack.here()
         led.note_minted(be.world, pool, where)
         led.pool_reference(be.world, device, pool, +1, where)
+        with led.lock:
+            led.mempools[(be.world, device, pool)] = weakref.ref(mp)
         weakref.finalize(mp, led.later, (be.world, device, pool), led.pool_reference, be.world, device, pool, -1,
                          "(the MemPool object was destroyed)\n")
 

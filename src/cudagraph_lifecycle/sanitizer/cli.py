@@ -44,6 +44,11 @@ def main(argv: list[str] | None = None) -> int | str | None:
               "this command runs a program under one: unset it (or set it to 1 or strict), or run the program "
               "without the command", file=sys.stderr)
         return 2
+    mode_option = env.get("CUDAGRAPH_SANITIZE_MODE", "").strip()
+    if not value and mode_option:  # the plugin's option, not this command's: say which one it reads
+        print(f"cudagraph sanitizer: CUDAGRAPH_SANITIZE_MODE={mode_option!r} is the pytest plugin's option for its "
+              "engine cycles; this command reads CUDAGRAPH_SANITIZE (e.g. CUDAGRAPH_SANITIZE=strict to fail the run "
+              "on findings): running with CUDAGRAPH_SANITIZE=on", file=sys.stderr)
     env["CUDAGRAPH_SANITIZE"] = value or "on"
     try:
         checked_from_env(env)  # read by every runner the program builds: a bad value stops it here

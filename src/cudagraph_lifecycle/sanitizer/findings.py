@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..backends import Backend, PoolId
-from ..ledger import ledger
+from ..ledger import SITES, ledger
 from .stale import side_stream_fix
 
 FINDING_KINDS = ("unreleased_graph", "pinned_pool", "pool_never_retired", "expandable_teardown",
@@ -42,7 +42,7 @@ class Finding:
 def collect(backend: Backend, since: int = 0, scope: str | None = None) -> list[Finding]:
     """Findings about the pools of ``backend``'s world captured into after ledger sequence ``since`` (and,
     with ``scope``, by that engine scope)."""
-    from .pins import describe, what_pins
+    from .pins import describe, graph_holder, mempool_notes, what_pins
 
     world = backend.world
     out: list[Finding] = []
@@ -75,12 +75,21 @@ def collect(backend: Backend, since: int = 0, scope: str | None = None) -> list[
                 f"released: {what}. Mint a fresh pool per engine (cudagraph_lifecycle.LazyPool) instead of keeping "
                 "that pool's id", tuple(x for x in (a.at, a.minted_at, a.released_at) if x), a.scope,
                 (a.site,) if a.site else (), tuple(t for t in (a.test,) if t)))
+    unreleased: dict[tuple, list] = {}  # one finding per pool and engine, however many graphs
     for g in ledger.live_graphs(world):
         if g.seq > since and (scope is None or g.scope == scope):
-            out.append(Finding(
-                "unreleased_graph", g.pool_id, g.device, 0,
-                f"a graph captured into pool {g.pool_id} at {g.site or '(unknown)'} was never reset",
-                (str(g.captured_at),), g.scope, (g.site,) if g.site else (), tuple(t for t in (g.test,) if t)))
+            unreleased.setdefault((g.pool_id, g.device, g.scope), []).append(g)
+    for (pool_id, device, owner), graphs in unreleased.items():
+        sites = tuple(dict.fromkeys(g.site for g in graphs if g.site))[:SITES]
+        tests = tuple(dict.fromkeys(g.test for g in graphs if g.test))
+        held_by = graph_holder(graphs)
+        n = len(graphs)
+        out.append(Finding(
+            "unreleased_graph", pool_id, device, 0,
+            f"{'a graph' if n == 1 else f'{n} graphs'} captured into pool {pool_id} at "
+            f"{', '.join(sites) or '(unknown)'} {'was' if n == 1 else 'were'} never reset"
+            + (f": {'it is' if n == 1 else 'one is'} held as {held_by}" if held_by else ""),
+            (str(graphs[0].captured_at),), owner, sites, tests))
     read = backend.pool_bytes_reader()
     for e in ledger.snapshot(world):
         if e.last_seq <= since or (scope is not None and scope not in e.scopes):
@@ -99,9 +108,10 @@ def collect(backend: Backend, since: int = 0, scope: str | None = None) -> list[
                 + (describe(pins) if pins else "a tensor allocated in its captures is still alive"),
                 stacks, e.owner, sites, tests, tuple(p.as_dict() for p in pins)))
         elif e.device_count > 0 and not e.live_graphs() and e.captures:
+            held = mempool_notes([e.key])
             out.append(Finding(
                 "pool_never_retired", e.pool_id, e.device, read(e.device, e.pool_id),
-                f"pool {e.pool_id}{where} has no live graph but {e.device_count} reference(s): a MemPool still "
-                "alive, or a failed capture that kept its reference", (str(e.minted_at or ""),), e.owner, sites,
-                tests))
+                f"pool {e.pool_id}{where} has no live graph but {e.device_count} reference(s): "
+                + (held[0] if held else "a MemPool still alive, or a failed capture that kept its reference"),
+                (str(e.minted_at or ""),), e.owner, sites, tests))
     return out

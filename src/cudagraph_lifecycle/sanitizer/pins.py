@@ -120,6 +120,31 @@ def graph_holder(entries: list) -> str | None:
     return None
 
 
+def mempool_holder(key: Key) -> str | None:
+    """Who holds the MemPool object that made the pool ``key``, in words, while it lives (then the pool lives:
+    its segments stay reserved, even with every block free); None where no MemPool of it is alive."""
+    ref = ledger.mempools.get(key)
+    mp = ref() if ref is not None else None
+    if mp is None:
+        return None
+    here = sys._getframe()
+    try:
+        return _holder(mp, {id(here), id(here.f_back)}, depth=4) or "something outside Python"
+    finally:
+        del mp
+
+
+def mempool_notes(keys: list[Key]) -> list[str]:
+    """For each pool whose MemPool object is alive: who holds it, and the fix."""
+    out = []
+    for k in keys:
+        holder = mempool_holder(k)
+        if holder is not None:
+            out.append(f"pool {k[2]}'s MemPool object is alive, held as {holder}: while it lives the pool keeps "
+                       "its segments reserved; drop it at release (or give each engine a MemPool of its own)")
+    return out
+
+
 def _blocks_of(backend: Backend, t: torch.Tensor, blocks: list[tuple]) -> list[int]:
     span = backend.storage_span(t)
     if span is None:
@@ -155,6 +180,9 @@ def _holder(obj: Any, ignore: set[int], depth: int = 3) -> str | None:
             module = _module_named(ref)
             if module is not None:
                 return f"global `{key}` of module {module}"
+            cls = _class_of(ref, key, obj)
+            if cls is not None:
+                return _class_attribute(cls, key)
             owner = _dict_owner(ref, ignore | {id(ref)})
             if owner is not None:
                 return f"attribute `{key}` of a {type(owner).__qualname__} object" + _up(owner, ignore | {id(ref)}, depth)
@@ -173,6 +201,10 @@ def _holder(obj: Any, ignore: set[int], depth: int = 3) -> str | None:
             if owner is None:
                 continue  # a cell of a function now running: its frame, not a holder Python can name
             return f"a closure variable of {owner.__qualname__} ({owner.__code__.co_filename})"
+        elif isinstance(ref, type):  # a class attribute, found among frozen holders (_frozen_holders)
+            key = next((k for k, v in vars(ref).items() if v is obj), None)
+            if key is not None:
+                return _class_attribute(ref, key)
         else:  # an object keeping it as an attribute without a __dict__ of its own yet (inline values)
             attrs = getattr(ref, "__dict__", None)
             key = next((k for k, v in attrs.items() if v is obj), None) if isinstance(attrs, dict) else None
@@ -185,10 +217,23 @@ def _holder(obj: Any, ignore: set[int], depth: int = 3) -> str | None:
     return unnamed
 
 
+def _class_of(d: dict, key: Any, obj: Any) -> type | None:
+    """The class whose namespace ``d`` is (a class attribute: the class shows it as a mappingproxy)."""
+    for ref in gc.get_referrers(d):
+        if isinstance(ref, type) and vars(ref).get(key) is obj:
+            return ref
+    return None
+
+
+def _class_attribute(cls: type, key: str) -> str:
+    return f"class attribute `{key}` of {cls.__qualname__} (module {cls.__module__})"
+
+
 def _frozen_holders(obj: Any) -> list:
     """Holders ``gc.get_referrers`` does not see: containers ``gc.freeze()`` moved out of the collector's
     generations (a reused worker freezes what it started with, its modules among them). Looked for where a
-    program keeps things: module globals, and containers that are module globals."""
+    program keeps things: module globals, containers that are module globals, and attributes of the classes
+    a module defines."""
     out: list = []
     for mod in list(sys.modules.values()):
         d = getattr(mod, "__dict__", None)
@@ -197,6 +242,9 @@ def _frozen_holders(obj: Any) -> list:
         for v in list(d.values()):
             if v is obj:
                 out.append(d)
+            elif isinstance(v, type) and getattr(v, "__module__", None) == mod.__name__:
+                if any(x is obj for x in list(vars(v).values())):
+                    out.append(v)  # a class attribute (the class's namespace is frozen with it)
             elif type(v) in (list, tuple):
                 if any(x is obj for x in v):
                     out.append(v)
