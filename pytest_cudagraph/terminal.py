@@ -31,8 +31,8 @@ def short_id(nodeid: str, width: int) -> str:
         return nodeid
     path, sep, test = nodeid.partition("::")
     head = path.rsplit("/", 1)[-1] + sep
-    if len(head) > width // 2:
-        head = head[:width // 2 - 1] + "…" + sep
+    if len(head) > width - 16:  # room for the test's name first
+        head = head[:width - 18] + "…" + sep
     room = width - len(head) - 1
     return head + "…" + test[-room:] if room > 0 else nodeid[-width:]
 

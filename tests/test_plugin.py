@@ -416,3 +416,5 @@ def test_a_long_test_id_in_the_lifecycle_table_keeps_its_files_name():
     cut = short_id("examples/test_lifecycle.py::test_naive_engine_fails_on_its_second_instance", 44)
     assert len(cut) == 44 and cut.startswith("test_lifecycle.py::…") and cut.endswith("its_second_instance")
     assert short_id("t.py::test_x", 44) == "t.py::test_x"
+    cut = short_id("examples/test_mpi_lifecycle.py::test_each_rank_gets_a_fresh_pool_per_engine", 44)
+    assert cut.startswith("test_mpi_lifecycle.py::…") and cut.endswith("_pool_per_engine"), cut
