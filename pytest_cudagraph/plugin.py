@@ -145,7 +145,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     s = config.stash[SETTINGS_KEY]
     s["used"] = any(_uses_plugin(item) for item in items)
     for item in items:
-        _warn_marker_without_effect(item)
+        _warn_markers_without_effect(item)
     if any(item.get_closest_marker("gpu") is not None for item in items):
         if not (effective_backend(config) == "cuda" and s["gpus"]):
             skip = pytest.mark.skip(reason="needs a usable GPU (none visible; --cudagraph-require-gpu would stop "
@@ -160,14 +160,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(skip_mpi)
 
 
-def _warn_marker_without_effect(item: pytest.Item) -> None:
-    """``cudagraph_engines`` is read only by ``engine_sequence``: on a test without it, it does nothing (warned
-    where written on the test itself; a module's or class's marker covers tests of other kinds too)."""
-    own = [m for m in getattr(item, "own_markers", ()) if m.name == "cudagraph_engines"]
-    if own and "engine_sequence" not in getattr(item, "fixturenames", ()):
+def _warn_markers_without_effect(item: pytest.Item) -> None:
+    """Markers written on the test itself that do nothing: ``cudagraph_engines`` on a test without
+    ``engine_sequence`` (the only reader; a module's or class's marker covers tests of other kinds too), and a
+    second ``cudagraph`` or ``cudagraph_engines`` (only the one nearest the function is read)."""
+    own = list(getattr(item, "own_markers", ()))
+    engines = [m for m in own if m.name == "cudagraph_engines"]
+    if engines and "engine_sequence" not in getattr(item, "fixturenames", ()):
         item.warn(pytest.PytestWarning(
-            f"{_as_written(own[0])} on {item.name} does nothing: only the engine_sequence fixture reads it; take "
-            "engine_sequence as an argument of the test, or remove the marker"))
+            f"{_as_written(engines[0])} on {item.name} does nothing: only the engine_sequence fixture reads it; "
+            "take engine_sequence as an argument of the test, or remove the marker"))
+    for name in ("cudagraph", "cudagraph_engines"):
+        mine = [m for m in own if m.name == name]
+        if len(mine) > 1:
+            item.warn(pytest.PytestWarning(
+                f"{name} is written {len(mine)} times on {item.name}: only {_as_written(mine[0])}, the one nearest "
+                f"the function, is read ({', '.join(_as_written(m) for m in mine[1:])} ignored); keep one"))
 
 
 def pytest_report_collectionfinish(config: pytest.Config, start_path, items) -> list[str]:

@@ -56,8 +56,9 @@ def record(state: dict, rep: pytest.TestReport) -> None:
     entry = state["tests"].setdefault(rep.nodeid, {"nodeid": rep.nodeid, "outcome": "passed", "duration": 0.0,
                                                    "cycles": []})
     entry["duration"] += rep.duration
-    if rep.failed:
-        entry["outcome"] = "failed" if rep.when == "call" else "error"
+    if rep.failed:  # a call that failed stays "failed" when its teardown errors too; every failing phase is kept
+        entry["outcome"] = "failed" if rep.when == "call" or entry["outcome"] == "failed" else "error"
+        entry.setdefault("failed_phases", []).append(rep.when)
     elif rep.skipped and entry["outcome"] == "passed":
         entry["outcome"] = "xfailed" if hasattr(rep, "wasxfail") else "skipped"
     elif rep.when == "call" and hasattr(rep, "wasxfail"):

@@ -44,13 +44,16 @@ def lifecycle_section(tr: Any, state: dict, backend: str | None) -> None:
     tr.section("cudagraph lifecycle")
     tr.write_line(f"{'test':<44} {'#':>2} {'pid/rank':>9} {'pools':>9} {'graphs':>6} {'capture ms':>10} "
                   f"{'pool':>7} {'held':>7} {'leaked':>7} {'growth':>7} verdict")
+    cold = False
     for nodeid, c in cycles:
         pools = ",".join(f"{p[1][0]}:{p[1][1]}" for p in c.get("pool_ids") or []) or "-"
         name = short_id(nodeid, 44)
         verdict = c.get("verdict", "?") + (" FAILED" if c.get("failed") else "")
+        ms = f"{c.get('capture_ms', 0.0):.1f}" + ("*" if c.get("cold") else " ")  # the digits stay aligned
+        cold = cold or bool(c.get("cold"))
         tr.write_line(
             f"{name:<44} {c['index']:>2} {_who(c):>9} {pools:>9} {c.get('graphs', 0):>6} "
-            f"{c.get('capture_ms', 0.0):>10.1f} {_mib(c.get('pool_bytes', 0)):>7} {_mib(c.get('held_bytes', 0)):>7} "
+            f"{ms:>10} {_mib(c.get('pool_bytes', 0)):>7} {_mib(c.get('held_bytes', 0)):>7} "
             f"{_mib(c.get('leaked_bytes', 0)):>7} {_mib(c.get('growth_bytes', 0)):>7} {verdict}"
         )
         if c.get("freed_earlier_bytes"):
@@ -63,6 +66,9 @@ def lifecycle_section(tr: Any, state: dict, backend: str | None) -> None:
         for p in c.get("problems") or []:
             first = p["message"].strip().splitlines()[0] if p["message"].strip() else p["kind"]
             tr.write_line(f"{'':<48}! {p['kind']}: {first}")
+    if cold:
+        tr.write_line("* the first capture in its worker process: it includes that process's first use of torch "
+                      "(kernels, allocator segments, lazy imports); compare the engines after it")
     t = totals(state)
     counts = ", ".join(f"{t[v]} {v}" for v in VERDICTS if t[v] or v in ("fresh", "held"))
     tr.write_line(f"{t['cycles']} engine cycle{'' if t['cycles'] == 1 else 's'}: {counts}; {t['failed_cycles']} failed; "

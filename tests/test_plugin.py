@@ -83,6 +83,9 @@ def test_engine_sequence_summary_and_report(pytester):
     (t,) = data["tests"]
     assert t["outcome"] == "passed" and len(t["cycles"]) == 3
     assert len({c["pid"] for c in t["cycles"]}) == 1 and data["meta"]["effective_backend"] == "sim"
+    # the worker's first capture is marked cold (its process's first use of torch), the later ones not
+    assert [c["cold"] for c in t["cycles"]] == [True, False, False]
+    res.stdout.fnmatch_lines(["*test_seq *0 *[0-9][*] *held", "[*] the first capture in its worker process*"])
 
 
 def test_junit_xml_has_the_cycles(pytester):
@@ -218,9 +221,15 @@ def test_an_engines_marker_on_a_test_without_engine_sequence_is_warned(pytester)
         def test_sequence(engine_sequence): pass
 
         def test_plain(): pass
+
+        @pytest.mark.cudagraph_engines(2)
+        @pytest.mark.cudagraph_engines(5)
+        def test_twice(engine_sequence): pass
     ''')
     res = run(pytester, "-W", "always::pytest.PytestWarning")
-    res.assert_outcomes(passed=3, warnings=1)
+    res.assert_outcomes(passed=4, warnings=2)
+    res.stdout.fnmatch_lines(["*cudagraph_engines is written 2 times on test_twice: only cudagraph_engines(5), the "
+                              "one nearest the function, is read (cudagraph_engines(2) ignored); keep one*"])
     res.stdout.fnmatch_lines(["*test_a.py:*: PytestWarning: cudagraph_engines(3, scope='module') on "
                               "test_worker_only does nothing: only the engine_sequence fixture reads it*"])
 
@@ -418,3 +427,22 @@ def test_a_long_test_id_in_the_lifecycle_table_keeps_its_files_name():
     assert short_id("t.py::test_x", 44) == "t.py::test_x"
     cut = short_id("examples/test_mpi_lifecycle.py::test_each_rank_gets_a_fresh_pool_per_engine", 44)
     assert cut.startswith("test_mpi_lifecycle.py::…") and cut.endswith("_pool_per_engine"), cut
+
+
+def test_the_report_keeps_a_failed_call_whose_teardown_errors_too(pytester):
+    pytester.makepyfile(test_a='''
+        import pytest
+
+        @pytest.fixture
+        def breaks_at_teardown():
+            yield
+            raise RuntimeError("teardown broke")
+
+        def test_x(breaks_at_teardown):
+            assert False
+    ''')
+    report = pytester.path / "r.json"
+    res = run(pytester, f"--cudagraph-report={report}")
+    res.assert_outcomes(failed=1, errors=1)
+    (t,) = json.loads(report.read_text())["tests"]
+    assert t["outcome"] == "failed" and t["failed_phases"] == ["call", "teardown"], t

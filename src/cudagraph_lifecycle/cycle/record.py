@@ -56,6 +56,7 @@ class CycleRecord:
     replays: int = 0  # replays of those graphs
     graph_bytes: dict[str, int] | None = None  # per graph, where the engine's runner measured it
     capture_ms: float = 0.0
+    cold: bool = False  # the first capture timed in its process: it includes the process's first use of torch
     replay_max_abs_err: float | None = None
     pool_bytes: int = 0  # its pools' bytes before release
     held_bytes: int = 0  # after release, pinned by the output the caller holds

@@ -8,6 +8,7 @@ engine: its ``pool_ids()`` is only cross-checked.
 from __future__ import annotations
 
 import gc
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -55,9 +56,24 @@ def build(factory: Callable[[Backend], Any], be: Backend) -> Engine:
     return Engine(factory(be))
 
 
+_timed = False  # a capture was timed in this process (a forked child starts afresh: see _cold)
+
+
+def _cold() -> bool:
+    """Whether this is the first capture timed in this process: it pays for the process's first kernels,
+    allocator segments and lazy imports, so it is not comparable with the engines after it."""
+    global _timed
+    cold, _timed = not _timed, True
+    return cold
+
+
+os.register_at_fork(after_in_child=lambda: globals().update(_timed=False))
+
+
 def capture(engine: Engine, rec: CycleRecord) -> None:
     if engine.capture is None:
         return  # captured by the first run
+    rec.cold = _cold()
     t0 = time.perf_counter()
     engine.capture()
     rec.capture_ms = (time.perf_counter() - t0) * 1e3
@@ -70,6 +86,8 @@ def exercise(engine: Engine, rec: CycleRecord, atol: float, reload: Callable[[An
     if engine.example_input is None:
         return None
     x = engine.example_input()
+    if engine.capture is None:
+        rec.cold = _cold()
     t0 = time.perf_counter()
     y = engine.run(x)
     if engine.capture is None:
