@@ -6,7 +6,7 @@ import os
 import sys
 from typing import Any
 
-from cudagraph_lifecycle.errors import TORCH_DEFAULT_STREAM_REFUSAL, TORCH_RANDOM_POISONED
+from cudagraph_lifecycle.errors import TORCH_DEFAULT_STREAM_REFUSAL, TORCH_POOL_ASSERT, TORCH_RANDOM_POISONED
 from cudagraph_lifecycle.ledger import ledger  # plain Python: no torch
 
 from .report import VERDICTS, findings, rows, totals
@@ -154,11 +154,14 @@ def poison_note(exc: BaseException | None, earlier: list[str] | tuple = ()) -> s
         return None
     # what torch raises is a RuntimeError (an assert that merely compares these words is not it)
     text = "\n".join(str(e) for e in chain if isinstance(e, RuntimeError))
-    if TORCH_DEFAULT_STREAM_REFUSAL not in text and TORCH_RANDOM_POISONED not in text:
+    if not any(m in text for m in (TORCH_DEFAULT_STREAM_REFUSAL, TORCH_RANDOM_POISONED, TORCH_POOL_ASSERT)):
         return None
-    seen = ledger.torch_refusals(worlds=_process_worlds())[::-1]
+    worlds = _process_worlds()
+    seen = ledger.torch_refusals(worlds=worlds)[::-1]
     where = "; ".join([f"{d.test or '(outside a test)'} at {d.site or '(unknown)'}" for d in seen[:3]]
                       or list(reversed(earlier))[:3])  # else the refusals that failed earlier tests here
+    asserted = "; ".join(f"{a.test or '(outside a test)'} at {a.site or '(unknown)'}"
+                         for a in ledger.allocator_asserts(worlds=worlds)[::-1][:3])
     fix = ("With the sanitizer on (cudagraph-marked tests and workers under --cudagraph-sanitize=on, or "
            "CUDAGRAPH_SANITIZE=1 for the whole session) such a capture is refused before torch begins it, "
            "and named with its test and line.")
@@ -166,7 +169,15 @@ def poison_note(exc: BaseException | None, earlier: list[str] | tuple = ()) -> s
         return (f"{REFUSAL_NOTE} after opening the CUDA RNG's capture: from now on "
                 "every eager random op of this process fails, in later tests too. Capture on a side stream "
                 f"(`with torch.cuda.stream(s):`). {fix}")
-    cause = (f"by a capture on the default stream (newest first): {where}" if where else
-             "by a capture on the default stream, or by the allocator's `use_count > 0` assert (a capture into a "
-             "released pool), in this test or an earlier one; nothing watching saw which")
+    if TORCH_POOL_ASSERT in text and TORCH_RANDOM_POISONED not in text:
+        return ("the caching allocator asserted on a capture into a released pool (a pool id kept after all its "
+                "graphs were reset, while a tensor of it lived or before a cache flush): this process's allocator "
+                "and random ops stay poisoned, in later tests too. Mint a fresh pool per engine "
+                f"(cudagraph_lifecycle.LazyPool). {fix}")
+    causes = ([f"by a capture on the default stream (newest first): {where}"] if where else []) + (
+        [f"by the allocator's `use_count > 0` assert on a capture into a released pool (newest first): {asserted}"]
+        if asserted else [])
+    cause = " and ".join(causes) or (
+        "by a capture on the default stream, or by the allocator's `use_count > 0` assert (a capture into a "
+        "released pool), in this test or an earlier one; nothing watching saw which")
     return f"this process's eager CUDA random ops were poisoned {cause}. Only a new process recovers. {fix}"

@@ -819,6 +819,45 @@ def test_the_poison_note_names_the_test_and_line_the_ledger_saw(cudagraph_worker
     assert "in _poison_the_process_sim_world_watched" in note and note.count(" at ") == 1
 
 
+def _assert_in_the_process_sim_world_watched():
+    """In a worker: a kept handle's capture that the allocator asserts on (watched, not judged), the note for
+    that failure, then the note for a random op after it."""
+    from cudagraph_lifecycle import get_backend, observe
+    from cudagraph_lifecycle.conformance import Ctx
+    from cudagraph_lifecycle.ledger import ledger
+    from cudagraph_lifecycle.sanitizer import global_sanitizer
+    from pytest_cudagraph.terminal import poison_note
+
+    global_sanitizer().stop()  # the worker's own sanitizer would refuse it
+    be = get_backend("sim")
+    observe.acquire()
+    c, h = Ctx(be), be.graph_pool_handle()
+    g = be.new_graph()
+    kept = c.step(g, h)  # noqa: F841 - pins the pool
+    g.reset()
+    ledger.test = "test_x.py::test_keeps_a_handle"
+    try:
+        c.step(be.new_graph(), h)
+    except RuntimeError as e:
+        at_the_assert = poison_note(e)
+    finally:
+        ledger.test = None
+    try:
+        be.randn(2)
+    except RuntimeError as e:
+        return at_the_assert, poison_note(e)
+    return at_the_assert, "random ops were not poisoned"
+
+
+def test_the_poison_note_names_the_allocators_assert_the_ledger_saw(cudagraph_worker):
+    at_the_assert, later = cudagraph_worker.call(_assert_in_the_process_sim_world_watched)
+    assert at_the_assert.startswith("the caching allocator asserted on a capture into a released pool")
+    assert "Mint a fresh pool per engine" in at_the_assert
+    assert ("poisoned by the allocator's `use_count > 0` assert on a capture into a released pool (newest first): "
+            "test_x.py::test_keeps_a_handle at ") in later
+    assert "in _assert_in_the_process_sim_world_watched" in later
+
+
 def test_no_poison_note_for_what_the_sanitizer_stopped_or_another_error():
     from cudagraph_lifecycle import DefaultStreamCaptureError, StalePoolError
     from pytest_cudagraph.terminal import poison_note

@@ -6,6 +6,7 @@ from __future__ import annotations
 # opened the CUDA RNG's capture), and what every eager random op raises once that capture is left open
 TORCH_DEFAULT_STREAM_REFUSAL = "captured on a non-default stream"
 TORCH_RANDOM_POISONED = "Offset increment outside graph capture"
+TORCH_POOL_ASSERT = "use_count > 0"  # the caching allocator's assert on a capture into a dead pool
 
 
 class CudaGraphLifecycleError(RuntimeError):

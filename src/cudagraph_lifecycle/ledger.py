@@ -684,6 +684,13 @@ class Ledger:
         return [d for d in list(self.default_stream)
                 if not d.refused and d.seq > since and (worlds is None or d.key[0] in worlds)]
 
+    def allocator_asserts(self, since: int = 0, worlds: Any = None) -> list[StaleAttempt]:
+        """Captures into dead pools no judge refused after sequence ``since`` (in ``worlds``, if given), oldest
+        first: the allocator asserted on each, leaving the process poisoned."""
+        with self.lock:
+            return [a for a in self.stale
+                    if not a.refused and a.seq > since and (worlds is None or a.key[0] in worlds)]
+
     def note_hazard(self, hazard: TeardownHazard) -> None:
         """Record a teardown hazard, and (where ``CUDAGRAPH_HAZARD_FILE`` names a file: a reused worker or
         rank) append it there at once: the crash it announces may leave no other record."""

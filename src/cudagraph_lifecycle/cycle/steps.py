@@ -18,6 +18,7 @@ import torch
 from ..backends import Backend
 from ..errors import (
     TORCH_DEFAULT_STREAM_REFUSAL,
+    TORCH_POOL_ASSERT,
     CapturedAddressError,
     ConfigError,
     DefaultStreamCaptureError,
@@ -35,7 +36,7 @@ from .caller import Caller, caller_copy
 from .engine import Engine
 from .record import CycleRecord
 
-ASSERT_MARKERS = ("use_count > 0", "INTERNAL ASSERT FAILED")
+ASSERT_MARKERS = (TORCH_POOL_ASSERT, "INTERNAL ASSERT FAILED")
 NO_CUDA_MARKERS = ("Torch not compiled with CUDA enabled", "No CUDA GPUs are available", "Found no NVIDIA driver")
 _CHECK_ERRORS = ((ReplayCheckError, "replay_check"), (OverwrittenOutputError, "replay_check"),
                  (CapturedAddressError, "captured_address"), (ExpandableSegmentsHazardError, "expandable_teardown"))
