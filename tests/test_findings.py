@@ -597,6 +597,37 @@ def _kept_handle_cycles(sanitized):
             san.stop()
 
 
+class KeptHandleRaising(KeptHandleEngine):
+    """As KeptHandleEngine, but the capture's error reaches the cycle."""
+
+    def capture(self):
+        be = self.be
+        if KeptHandleEngine.pool is None:
+            KeptHandleEngine.pool = be.graph_pool_handle()
+        self.g = be.new_graph()
+        with be.stream(be.capture_stream(0)):
+            self.g.capture_begin(pool=KeptHandleEngine.pool)
+            self.y = self.w * 2
+            self.g.capture_end()
+
+
+def _kept_handle_raising_cycles():
+    from cudagraph_lifecycle.cycle import run_cycle
+
+    KeptHandleEngine.pool = None
+    be = SimBackend()
+    with PoolSanitizer(be):
+        return run_cycle(KeptHandleRaising, be, 0, test="t") + run_cycle(KeptHandleRaising, be, 1, test="t")
+
+
+def test_a_stale_pool_error_in_a_cycle_names_the_callers_held_output(cudagraph_worker):
+    """What pins the dead pool is the output the caller holds (output="hold"), said in those words."""
+    last = cudagraph_worker.call(_kept_handle_raising_cycles)[-1]
+    assert last["verdict"] == "stale", last
+    text = last["problems"][0]["message"]
+    assert "held as the previous engine's output, which the caller holds until the next engine has captured" in text
+
+
 @pytest.mark.parametrize("sanitized", [True, False])
 def test_a_stale_capture_the_engine_caught_is_still_stale(cudagraph_worker, sanitized):
     """The engine catches the error and runs eagerly: the cycle is stale all the same, naming the line that

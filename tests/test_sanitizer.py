@@ -60,6 +60,25 @@ def test_sanitizer_catches_stale_pool_before_the_allocator(sim):
     assert c.step(be.new_graph(), be.graph_pool_handle()).numel() > 0  # the process goes on
 
 
+KEPT = {}
+
+
+def test_a_stale_pool_error_names_what_pins_the_pool(sim):
+    be, _, c = sim
+    h = be.graph_pool_handle()
+    g = be.new_graph()
+    KEPT["last"] = c.step(g, h)
+    g.reset()
+    try:
+        with pytest.raises(StalePoolError) as e:
+            c.step(be.new_graph(), h)
+    finally:
+        KEPT.clear()
+    first = str(e.value).splitlines()[0]
+    assert "pinned by a tensor (4096,) float32 held as key `last` of a dict (global `KEPT` of module" in first
+    assert "(python_reference): drop that reference" in first
+
+
 def test_a_refused_stale_capture_is_a_finding_even_when_the_error_was_caught(sim):
     """An engine that catches the StalePoolError and runs eagerly hides it from its caller: the finding
     names the line that tried, and that the sanitizer refused it."""

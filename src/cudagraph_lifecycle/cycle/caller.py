@@ -34,6 +34,11 @@ def caller_copy(y: Any) -> Any:
 
 @dataclass
 class Caller:
+    # how a finding names what this object holds (sanitizer/pins.py): the harness's caller, in the user's words
+    HOLDER_WORDS = {"held": "the previous engine's output, which the caller holds until the next engine has "
+                            "captured (engine_sequence's output=\"hold\")",
+                    "kept": "the copy of an output the caller keeps (engine_sequence's output=\"drop\")"}
+
     held: Any = None  # the last engine's output, a view into its pool (hold)
     held_pools: list[Key] = field(default_factory=list)
     held_record: CycleRecord | None = None

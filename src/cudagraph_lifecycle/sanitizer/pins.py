@@ -185,7 +185,7 @@ def _holder(obj: Any, ignore: set[int], depth: int = 3) -> str | None:
                 return _class_attribute(cls, key)
             owner = _dict_owner(ref, ignore | {id(ref)})
             if owner is not None:
-                return f"attribute `{key}` of a {type(owner).__qualname__} object" + _up(owner, ignore | {id(ref)}, depth)
+                return _attribute(owner, key, ignore | {id(ref)}, depth)
             what, up = f"key `{key}` of a dict", _up(ref, ignore, depth)
             for attr, kind in (("_buffers", "buffer"), ("_parameters", "parameter")):  # a torch module's
                 if up.startswith(f" (attribute `{attr}` of "):
@@ -210,11 +210,20 @@ def _holder(obj: Any, ignore: set[int], depth: int = 3) -> str | None:
             key = next((k for k, v in attrs.items() if v is obj), None) if isinstance(attrs, dict) else None
             if key is None:
                 continue
-            return f"attribute `{key}` of a {type(ref).__qualname__} object" + _up(ref, ignore, depth)
+            return _attribute(ref, key, ignore, depth)
         if up or depth <= 1:
             return what + up
         unnamed = unnamed or what
     return unnamed
+
+
+def _attribute(owner: Any, key: str, ignore: set[int], depth: int) -> str:
+    """``attribute `key` of a <Class> object (<who holds it>)``, or the words the class gives for what it
+    holds there (``HOLDER_WORDS``: a harness's own objects, named in the user's terms)."""
+    words = getattr(type(owner), "HOLDER_WORDS", None)
+    if isinstance(words, dict) and isinstance(words.get(key), str):
+        return words[key]
+    return f"attribute `{key}` of a {type(owner).__qualname__} object" + _up(owner, ignore, depth)
 
 
 def _class_of(d: dict, key: Any, obj: Any) -> type | None:

@@ -28,7 +28,8 @@ def stale_error(backend: Backend, attempt: StaleAttempt) -> StalePoolError:
         st = backend.pool_state(pool_id, device)
         why.append(
             f"the device allocator still holds it ({st.reserved_bytes} bytes in {st.segments} segment(s)"
-            + (": a live tensor from its captures pins it)" if st.reserved_bytes else "; empty_cache has not run)")
+            + (f": {_pinned_by(backend, attempt)})" if st.allocated_bytes else
+               ": a live tensor from its captures pins it)" if st.reserved_bytes else "; empty_cache has not run)")
         )
     if attempt.host_dead:
         why.append("the host allocator's ledger still has the id (torch._C._host_emptyCache has not run)")
@@ -46,6 +47,17 @@ def stale_error(backend: Backend, attempt: StaleAttempt) -> StalePoolError:
     )
     err.pool_id, err.device, err.owner, err.site = tuple(pool_id), device, attempt.owner, attempt.site
     return err
+
+
+def _pinned_by(backend: Backend, attempt: StaleAttempt) -> str:
+    """Who holds the live blocks of the dead pool (asked only here, on the way to raising)."""
+    from .pins import describe, what_pins
+
+    try:
+        pins = what_pins(backend, [attempt.key])
+    except Exception:  # naming the holder must never replace the error it explains
+        pins = []
+    return describe(pins) if pins else "a live tensor from its captures pins it"
 
 
 def hazard_error(hazard: TeardownHazard, mode: str = "on") -> ExpandableSegmentsHazardError:
