@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -52,7 +53,7 @@ def assert_fresh_pool(backend: Backend, pool_id, previous: list | tuple = (), de
 
 def check_record(rec: dict) -> None:
     """Raise :class:`EngineCycleError` if an engine cycle failed: its verdict and every problem, in full."""
-    __tracebackhide__ = True  # the failure is the engine's: pytest shows the test's line, not this function
+    __tracebackhide__ = operator.methodcaller("errisinstance", EngineCycleError)  # the engine's failure: the test's line
     if not rec.get("failed"):
         return
     who = f"worker pid {rec.get('pid')}" + (f", rank {rec['rank']}" if rec.get("rank") is not None else "")

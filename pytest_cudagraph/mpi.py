@@ -10,6 +10,7 @@ ranks carry the controller's tag in their environment and are killed with it. Th
 
 from __future__ import annotations
 
+import operator
 import os
 import shutil
 import socket
@@ -18,6 +19,7 @@ from typing import Any
 
 from .worker import (
     ReusedWorker,
+    WorkerError,
     attribute_to,
     dumps_call,
     freeze_startup_heap,
@@ -174,7 +176,8 @@ class MPIRanks:
         self.controller.findings_call = (_ranks_findings, (ranks, list(sys.path)))
 
     def call_all(self, fn, *args: Any, **kwargs: Any) -> list[tuple[int, int, Any]]:
-        __tracebackhide__ = True  # a rank's error points at the test's call (its own traceback is in the message)
+        # a rank's error points at the test's call (its own traceback is in the message); a bug of ours does not
+        __tracebackhide__ = operator.methodcaller("errisinstance", (RankError, WorkerError))
         payload = dumps_call(fn, args, kwargs)
         results = self.controller.call(_call_all, self.ranks, payload, list(sys.path))
         failures = [(rank, pid, v) for rank, pid, status, v, _ in results if status == "err"]

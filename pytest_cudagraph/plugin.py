@@ -189,7 +189,8 @@ def pytest_report_collectionfinish(config: pytest.Config, start_path, items) -> 
     return [
         f"cudagraph: backend={s['backend']} (effective {backend}), gpus={s['gpus']}, "
         f"workers start by {s['start_reason']}, timeout={s['timeout']:g}s, sanitize={s['sanitize']}"
-        + (f" (and program-wide CUDAGRAPH_SANITIZE={program})" if program else "")
+        + (f" (and program-wide CUDAGRAPH_SANITIZE={os.environ.get('CUDAGRAPH_SANITIZE') or program})"
+           if program else "")
         + f", engines held by {s['worker']}" + (f" ({s['mpi_ranks']} ranks)" if s["worker"] == "mpi" else "")
     ]
 

@@ -15,6 +15,8 @@ from typing import Any
 
 import pytest
 
+from cudagraph_lifecycle.sizes import size_text
+
 from .assertions import EngineCycleError, check_record
 from .mpi import MPIRanks, RankError
 from .report import CYCLES, SNAPSHOT
@@ -111,7 +113,7 @@ class EngineSequence:
         for h in getattr(e, "hazards", []):  # what the sanitizer saw coming, written before the crash
             problems.append({"kind": "expandable_teardown", "bytes": h["live_bytes"], "stacks": [],
                              "message": f"before the crash, the last graph of pool {tuple(h['pool_id'])} was reset "
-                                        f"at {h.get('reset_site') or '(unknown)'} while {h['live_bytes']} bytes of it "
+                                        f"at {h.get('reset_site') or '(unknown)'} while {size_text(h['live_bytes'])} of it "
                                         "were alive, under expandable_segments:True"})
         return {"index": i, "pid": getattr(self.worker, "pid", None), "rank": None, "backend": self.backend,
                 "engine": f"{self._request.node.nodeid} [engine {i}]", "verdict": "stale" if stale else "error",
@@ -119,8 +121,10 @@ class EngineSequence:
 
     def __call__(self, factory: Callable[[Any], Any], n: int | None = None, *, check: bool = True,
                  output: str = "hold", atol: float = 1e-4, reload: Callable[[Any], Any] | None = None) -> list[dict]:
-        __tracebackhide__ = True  # a failure points at the test's call
         from cudagraph_lifecycle.errors import ConfigError
+
+        # an engine's failure or a bad argument points at the test's call; a bug of ours keeps its frames
+        __tracebackhide__ = operator.methodcaller("errisinstance", (EngineCycleError, ConfigError))
 
         n = self._default_n if n is None else n
         try:

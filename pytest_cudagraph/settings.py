@@ -232,7 +232,7 @@ def program_sanitizer_mode() -> str | None:
     name is one word from the plugin's own option (CUDAGRAPH_SANITIZE_MODE), so the header shows both."""
     env = sys.modules.get("cudagraph_lifecycle.sanitizer.env")
     san = env.global_sanitizer() if env is not None else None
-    return None if san is None else ("strict" if san.mode == "strict" else "1")
+    return None if san is None else san.mode
 
 
 def effective_backend(config: pytest.Config) -> str:

@@ -6,7 +6,12 @@ import os
 import sys
 from typing import Any
 
-from cudagraph_lifecycle.errors import TORCH_DEFAULT_STREAM_REFUSAL, TORCH_POOL_ASSERT, TORCH_RANDOM_POISONED
+from cudagraph_lifecycle.errors import (
+    TORCH_DEFAULT_STREAM_REFUSAL,
+    TORCH_POOL_ASSERT,
+    TORCH_RANDOM_POISONED,
+    exception_chain,
+)
 from cudagraph_lifecycle.ledger import ledger  # plain Python: no torch
 
 from .report import VERDICTS, findings, rows, totals
@@ -26,15 +31,21 @@ def _mib(n: int) -> str:
 
 def short_id(nodeid: str, width: int) -> str:
     """A test id cut to ``width``, keeping its file's name and the end of the test's name (where parameters
-    and the words that tell tests apart are): ``test_lifecycle.py::…on_its_second_instance``."""
+    and the words that tell tests apart are): ``test_lifecycle.py::…on_its_second_instance``. An ellipsis
+    marks only what was cut."""
     if len(nodeid) <= width:
         return nodeid
+    if width < 8:
+        return nodeid[len(nodeid) - max(width, 0):]
     path, sep, test = nodeid.partition("::")
+    if not sep:  # no test part: the end of the path
+        return "…" + nodeid[-(width - 1):]
     head = path.rsplit("/", 1)[-1] + sep
-    if len(head) > width - 16:  # room for the test's name first
-        head = head[:width - 18] + "…" + sep
-    room = width - len(head) - 1
-    return head + "…" + test[-room:] if room > 0 else nodeid[-width:]
+    room = width - len(head)
+    if room >= min(len(test), 16):  # the file's name whole, and as much of the test's as fits
+        return head + (test if len(test) <= room else "…" + test[-(room - 1):])
+    tail = test if len(test) <= 16 else "…" + test[-15:]
+    return path.rsplit("/", 1)[-1][:width - len(tail) - len(sep) - 1] + "…" + sep + tail
 
 
 def lifecycle_section(tr: Any, state: dict, backend: str | None) -> None:
@@ -92,12 +103,16 @@ def findings_section(tr: Any, state: dict) -> None:
             f"pool {tuple(f['pool_id'])} on device {f['device']}{rank}" + (f", {_mib(f['bytes'])}" if f["bytes"] else "")
         tr.write_line(f"{nodeid}: {f['kind']}: {what}{made}")
         tr.write_line(f"    {f['message']}")
+        tried = {"default_stream_capture": "began", "stale_capture": "tried"}.get(f["kind"], "captured")
         for site in f.get("sites") or []:
-            tr.write_line(f"    {'began' if began else 'captured'} at {site}")
+            tr.write_line(f"    {tried} at {site}")
         for other in (f.get("tests") or [])[1:]:
             tr.write_line(f"    also captured into by {other}")
         for stack in f.get("stacks") or []:
-            for line in stack.rstrip().splitlines()[-4:]:  # the innermost frames; the JSON keeps the whole stack
+            lines = stack.rstrip().splitlines()
+            if lines and lines[0].startswith("--- "):  # a labelled stack (which of a finding's several it is)
+                tr.write_line(f"    {lines.pop(0)}")
+            for line in lines[-4:]:  # the innermost frames; the JSON keeps the whole stack
                 tr.write_line(f"      {line}")
     strict, by = state.get("strict_findings", 0), state.get("strict_by")
     if by == "--cudagraph-sanitize=strict":  # the tests' own failed their tests already
@@ -111,14 +126,6 @@ def findings_section(tr: Any, state: dict) -> None:
 
 REFUSAL_NOTE = "torch refused a capture on the default stream"
 _PREVENTED = ("DefaultStreamCaptureError", "StalePoolError")  # the sanitizer stopped it: the process is fine
-
-
-def _chain(exc: BaseException) -> list[BaseException]:
-    out: list[BaseException] = []
-    while exc is not None and exc not in out and len(out) < 16:
-        out.append(exc)
-        exc = exc.__cause__ or exc.__context__
-    return out
 
 
 def _process_worlds() -> set:
@@ -148,7 +155,7 @@ def poison_note(exc: BaseException | None, earlier: list[str] | tuple = ()) -> s
     the ledger saw it (else ``earlier``: the refusals that failed earlier tests of this process, as
     ``nodeid at file:line``), how to have it refused first. None for anything else, for what the sanitizer
     stopped, and for a worker's errors (that process is replaced)."""
-    chain = _chain(exc) if exc is not None else []
+    chain = exception_chain(exc)
     names = {type(e).__name__ for e in chain}
     if not chain or names & set(_PREVENTED) or type(exc).__module__.startswith("pytest_cudagraph"):
         return None

@@ -17,6 +17,7 @@ import atexit
 import faulthandler
 import itertools
 import multiprocessing as mp
+import operator
 import os
 import pickle
 import re
@@ -36,6 +37,7 @@ from typing import Any
 
 from cudagraph_lifecycle.choices import SANITIZE_ENV_OFF
 from cudagraph_lifecycle.errors import TORCH_DEFAULT_STREAM_REFUSAL, TORCH_RANDOM_POISONED
+from cudagraph_lifecycle.sizes import size_text
 
 
 def _cloudpickle():
@@ -586,7 +588,7 @@ def describe_hazards(hazards: list[dict]) -> str:
     lines = ["--- the sanitizer recorded before the crash: a pool torn down while blocks of it lived, under "
              "expandable_segments:True (freeing them crashes the process) ---"]
     for h in hazards:
-        lines.append(f"pool {tuple(h['pool_id'])} on device {h['device']}: {h['live_bytes']} bytes alive at the "
+        lines.append(f"pool {tuple(h['pool_id'])} on device {h['device']}: {size_text(h['live_bytes'])} alive at the "
                      f"reset at {h.get('reset_site') or '(unknown)'}" + (f" (test {h['test']})" if h.get("test") else ""))
     return "\n" + "\n".join(lines)
 
@@ -852,7 +854,8 @@ class ReusedWorker:
                 raise self._timeout_report(proc, self._during(number, fn), limit)
 
     def call(self, fn, *args: Any, **kwargs: Any) -> Any:
-        __tracebackhide__ = True  # the child's error points at the test's call (its traceback is in the message)
+        # the child's error points at the test's call (its traceback is in the message); a bug of ours does not
+        __tracebackhide__ = operator.methodcaller("errisinstance", WorkerError)
         # pickled before the start: a callable that cannot travel fails without starting a child
         forked_main = self._forked_main
         payload = dumps_call(fn, args, kwargs, forked_main)

@@ -142,7 +142,7 @@ def test_expandable_teardown_is_refused_by_on_unless_report_and_always_by_strict
     for mode, teardown in (("on", "refuse"), ("strict", "refuse"), ("strict", "report")):
         be, g, y, san = _expandable(mode, teardown)
         with pytest.raises(ExpandableSegmentsHazardError, match=r"test_budgets_reload_hazard.py:\d+ in test_expandable"
-                                                                r".* while 16384 bytes allocated in its captures"):
+                                                                r".* while 16 KiB \(16384 bytes\) allocated in its captures"):
             g.reset()
         del y  # the right order: blocks first, then the graph
         g.reset()
@@ -211,7 +211,7 @@ def test_a_worker_that_crashes_after_a_recorded_hazard_says_so(tmp_path, monkeyp
     (h,) = e.value.hazards
     assert h["live_bytes"] == 10 * (2 << 20) and h["reset_site"].endswith("crashing_teardown.py:8 in crash")
     assert "the sanitizer recorded before the crash" in str(e.value)
-    assert f"{10 * (2 << 20)} bytes alive at the reset at" in str(e.value)
+    assert "20 MiB (20971520 bytes) alive at the reset at" in str(e.value)
 
 
 def test_without_expandable_segments_the_same_order_is_fine():
@@ -267,7 +267,7 @@ def test_engine_sequence_under_expandable_segments(pytester, monkeypatch, teardo
                                         f"--cudagraph-expandable-teardown={teardown}")
     res.assert_outcomes(passed=1)
     out = res.stdout.str()
-    site = "teardown_engines.py:12 in release while 20971520 bytes"
+    site = "teardown_engines.py:12 in release while 20 MiB (20971520 bytes)"
     if teardown == "refuse":
         assert "KINDS ['expandable_teardown', " in out and "killed by signal" not in out
         assert "ExpandableSegmentsHazardError: reset of the last graph of pool (0, 1)" in out and site in out

@@ -142,7 +142,7 @@ ROWS = [
     Row("rank-crashes-after-a-recorded-hazard", "rank 1 frees blocks of a pool torn down under expandable segments",
         lambda r: r.call_all(crash_after_hazard_on_rank_1), WorkerCrashed,
         ("rank 1", "died during the call", "the sanitizer recorded before the crash",
-         f"20971520 bytes alive at the reset at {HAZARD_AT}"), replaced=True),
+         f"20 MiB (20971520 bytes) alive at the reset at {HAZARD_AT}"), replaced=True),
     Row("rank-hangs", "rank 0 sleeps 30 s under a 3 s timeout", lambda r: r.call_all(hang_on_rank_0),
         WorkerTimeout, ("past the timeout of 3s", "in _run_batch"), replaced=True, timeout=3),
     Row("rank-raises", "rank 1 raises ValueError", lambda r: r.call_all(raise_on_rank_1),

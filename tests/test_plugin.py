@@ -57,7 +57,7 @@ def run_failing_sequence(pytester, call):
         def test_seq(engine_sequence):
             engine_sequence({call})
     ''')
-    res = run(pytester)
+    res = run(pytester, "--tb=long")  # every frame with its source, where pytest would show any
     res.assert_outcomes(failed=1)
     out = res.stdout.str()  # the failure is the engine's: none of the plugin's own source is shown
     assert "def check_record" not in out and "def __call__" not in out and "def call(" not in out, out
@@ -342,7 +342,7 @@ def test_sanitizer_findings_in_report_and_strict(pytester):
     res.stdout.fnmatch_lines(["*= cudagraph sanitizer =*",
                               "test_a.py::test_leaves_a_graph: unreleased_graph: pool (*) on device 0*",
                               "*at *test_a.py:9 in test_leaves_a_graph was never reset: it is held as an item of "
-                              "a tuple (attribute `keep` of a function object*",
+                              "a tuple (attribute `keep` of function test_leaves_a_graph (test_a))",
                               "    captured at *test_a.py:9 in test_leaves_a_graph", "1 sanitizer finding(s)"])
     res = run(pytester, "--cudagraph-sanitize=strict")
     res.assert_outcomes(passed=1, errors=1)
@@ -427,6 +427,12 @@ def test_a_long_test_id_in_the_lifecycle_table_keeps_its_files_name():
     assert short_id("t.py::test_x", 44) == "t.py::test_x"
     cut = short_id("examples/test_mpi_lifecycle.py::test_each_rank_gets_a_fresh_pool_per_engine", 44)
     assert cut.startswith("test_mpi_lifecycle.py::…") and cut.endswith("_pool_per_engine"), cut
+    # a long file name with a short test: the file's name is cut, the test's is not (no ellipsis before it)
+    assert short_id("a/test_an_extremely_long_module_name_for_testing.py::test_x", 44) == \
+        "test_an_extremely_long_module_name_…::test_x"
+    assert short_id("a/b.py::test_x", 44) == "a/b.py::test_x"
+    cut = short_id("no_separator_path_that_is_long_enough_to_be_cut_here_x", 44)
+    assert len(cut) == 44 and cut.startswith("…") and cut.endswith("cut_here_x") and cut.count("…") == 1
 
 
 def test_the_report_keeps_a_failed_call_whose_teardown_errors_too(pytester):

@@ -52,7 +52,8 @@ def test_sanitizer_catches_stale_pool_before_the_allocator(sim):
     with pytest.raises(StalePoolError) as e:
         c.step(be.new_graph(), h)
     msg = str(e.value)
-    assert "in mint_here" in msg and "in release_here" in msg and "live tensor" in msg
+    assert "in mint_here" in msg and "in release_here" in msg
+    assert "(unknown): nothing the garbage collector sees reaches it: a local variable of a function still" in msg
     assert be.poisoned is None and san.stale_caught == 1  # the allocator never saw it
     # the line that tried, in the first line of the error and as a stack of its own
     assert e.value.site.endswith("in test_sanitizer_catches_stale_pool_before_the_allocator")

@@ -616,3 +616,21 @@ def test_crash_report_keeps_the_cause_above_a_long_stack(worker):
         worker.call(abort_after_long_stack)
     msg = str(e.value)
     assert "cause lines" in msg and "what():  captures_underway.empty() INTERNAL ASSERT FAILED" in msg
+
+
+def test_a_shown_traceback_keeps_our_frames_only_where_the_error_is_ours():
+    """Our frames are left out of a user's error, but kept for an error our own code raised that is none of
+    the errors it means to raise (a bug of ours: where it happened matters)."""
+    from cudagraph_lifecycle.choices import checked_from_env
+    from cudagraph_lifecycle.errors import ConfigError
+    from cudagraph_lifecycle.ledger import shown_traceback
+    from cudagraph_lifecycle.sizes import parse_size
+
+    with pytest.raises(ConfigError) as e:
+        checked_from_env({"CUDAGRAPH_CHECKED": "maybe"})
+    shown = shown_traceback(e.value)
+    assert "test_worker.py" in shown and "choices.py" not in shown, shown
+    with pytest.raises(ValueError) as e:
+        parse_size("lots")
+    shown = shown_traceback(e.value)
+    assert "in parse_size" in shown and "sizes.py" in shown, shown

@@ -70,3 +70,13 @@ class ExpandableSegmentsHazardError(CudaGraphLifecycleError):
     """With ``expandable_segments:True``, the last graph of a pool would be reset while blocks allocated in its
     captures are alive (raised by the sanitizer unless ``expandable_teardown="report"``, by the strict one always).
     Freeing such blocks after the teardown crashed torch 2.11 on the H200 (docs/gpu-results)."""
+
+
+def exception_chain(exc: BaseException | None) -> list[BaseException]:
+    """``exc`` and the exceptions it was raised from or while handling (``__cause__``, ``__context__``),
+    outermost first: an engine that wraps torch's error in its own still failed for torch's reason."""
+    out: list[BaseException] = []
+    while exc is not None and exc not in out and len(out) < 16:
+        out.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return out

@@ -82,6 +82,12 @@ def _machinery_dirs() -> tuple[str, ...]:
     return tuple(d + os.sep for d in dirs)
 
 
+def is_machinery(filename: str) -> bool:
+    """Whether a frame of ``filename`` is the machinery's (this package, the plugin, pytest, pluggy,
+    multiprocessing, mpi4py, Python's frozen modules), not the user's."""
+    return _machinery(filename)
+
+
 @functools.lru_cache(maxsize=4096)
 def _machinery(filename: str) -> bool:
     if filename.startswith("<frozen "):  # runpy and the import system, as Python runs them frozen
@@ -91,21 +97,33 @@ def _machinery(filename: str) -> bool:
 
 def shown_traceback(exc: BaseException) -> str:
     """``exc``'s traceback as a user reads it: without the machinery's frames (as :class:`Stack` shows a stack),
-    unless nothing else is left, and without the closing ``Type: message`` lines, which the caller shows."""
-    te = traceback.TracebackException.from_exception(exc)
-    seen: set[int] = set()
-    todo = [te]
-    while todo:  # the exception and those chained to it
-        t = todo.pop()
-        if t is None or id(t) in seen:
-            continue
-        seen.add(id(t))
-        kept = [f for f in t.stack if not _machinery(f.filename)]
-        if kept:
-            t.stack = traceback.StackSummary.from_list(kept)
-        todo += [t.__cause__, t.__context__]
-    text, tail = "".join(te.format()), "".join(te.format_exception_only())
-    return text[:-len(tail)] if text.endswith(tail) else text
+    and without the closing ``Type: message`` lines, which the caller shows. All frames stay where nothing
+    else is left, and where the error was raised in the machinery and is none of the errors it means to
+    raise (a bug of ours: where it happened matters)."""
+    from .errors import ConfigError, CudaGraphLifecycleError, GraphInputError
+
+    try:
+        te = traceback.TracebackException.from_exception(exc)
+        seen: set[int] = set()
+        todo = [(te, exc)]
+        while todo:  # the exception and those chained to it
+            t, e = todo.pop()
+            if t is None or id(t) in seen:
+                continue
+            seen.add(id(t))
+            # raised by our own Python code (not by torch's C++ under one of our wrappers), and not as one of
+            # our errors: a bug of ours
+            last = t.stack[-1] if t.stack else None
+            ours = last is not None and _machinery(last.filename) and (last.line or "").startswith(("raise", "assert")) \
+                and not isinstance(e, (ConfigError, CudaGraphLifecycleError, GraphInputError))
+            kept = [f for f in t.stack if not _machinery(f.filename)]
+            if kept and not ours:
+                t.stack = traceback.StackSummary.from_list(kept)
+            todo += [(t.__cause__, getattr(e, "__cause__", None)), (t.__context__, getattr(e, "__context__", None))]
+        text, tail = "".join(te.format()), "".join(te.format_exception_only())
+        return text[:-len(tail)] if text.endswith(tail) else text
+    except Exception:  # never lose the report for its formatting
+        return "".join(traceback.format_exception(exc))
 
 
 class Stack:

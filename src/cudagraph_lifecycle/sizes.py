@@ -7,6 +7,7 @@ import re
 # binary units are what the allocator rounds to; decimal ones are what a data sheet says
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 SIZE_HELP = "an integer, optionally with KiB, MiB or GiB (KB, MB, GB are powers of 10)"
+_SIZE = re.compile(r"\s*(-?)\s*(\d+)(?:\.(\d+))?\s*([a-zA-Z]*)\s*", re.ASCII)
 
 
 class NegativeSizeError(ValueError):
@@ -14,23 +15,32 @@ class NegativeSizeError(ValueError):
 
 
 def parse_size(text: str | int) -> int:
-    """Bytes from ``text``; ``ValueError`` when it is not a size, :class:`NegativeSizeError` when it is below 0."""
+    """Bytes from ``text``: exact (integers are not rounded through a float), a whole number of bytes.
+    ``ValueError`` when it is not a size, :class:`NegativeSizeError` when it has a minus sign."""
     if isinstance(text, int) and not isinstance(text, bool):
         if text < 0:
             raise NegativeSizeError(text)
         return text
-    m = re.fullmatch(r"\s*([-+]?)\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
-    if m is None or m.group(3).lower() not in UNITS:
+    m = _SIZE.fullmatch(str(text))
+    if m is None or m.group(4).lower() not in UNITS:
         raise ValueError(text)
-    n = int(float(m.group(2)) * UNITS[m.group(3).lower()])
-    if m.group(1) == "-" and n:
+    if m.group(1):
         raise NegativeSizeError(text)
-    return n
+    unit, fraction = UNITS[m.group(4).lower()], m.group(3) or ""
+    part, rest = divmod(int(fraction or 0) * unit, 10 ** len(fraction))  # integers: exact at any length
+    if rest:
+        raise ValueError(text)  # a fraction of a byte
+    return int(m.group(2)) * unit + part
 
 
 def size_text(n: int) -> str:
-    """``n`` bytes for a message: "64 MiB (67108864 bytes)", "512 bytes"; exact bytes kept beside a rounded unit."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.4g} {unit} ({n} bytes)"
-    return f"{n} byte{'' if abs(n) == 1 else 's'}"
+    """``n`` bytes for a message: "64 MiB (67108864 bytes)", "512 bytes"; exact bytes kept beside a unit,
+    the unit chosen after rounding (never "1024 KiB")."""
+    units = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
+    i = next((i for i, (_, scale) in enumerate(units) if abs(n) >= scale), None)
+    if i is None:
+        return f"{n} byte{'' if abs(n) == 1 else 's'}"
+    if i > 0 and round(abs(n) / units[i][1], 2) >= 1024:  # 1048575 bytes: 1 MiB, not 1024 KiB
+        i -= 1
+    number = f"{round(abs(n) / units[i][1], 2):.2f}".rstrip("0").rstrip(".")
+    return f"{'-' if n < 0 else ''}{number} {units[i][0]} ({n} bytes)"

@@ -26,6 +26,7 @@ from ..errors import (
     OverwrittenOutputError,
     ReplayCheckError,
     StalePoolError,
+    exception_chain,
 )
 from ..ledger import Key, ledger
 from ..sanitizer.pins import describe, graph_holder, mempool_notes, what_pins
@@ -153,27 +154,34 @@ def failed(e: BaseException, rec: CycleRecord, be: Backend, since: int, step: st
     first = (str(e).strip().splitlines() or [type(e).__name__])[0]
     step = getattr(e, "cudagraph_step", step)
     attempts = ledger.stale_since(since, be.world)
-    asserted = not isinstance(e, StalePoolError) and any(m in str(e) for m in ASSERT_MARKERS)
+    chain = exception_chain(e)  # an engine may wrap torch's error (or ours) in its own: the reason is inside
+    stale = next((x for x in chain if isinstance(x, StalePoolError)), None)
+    asserted = stale is None and any(m in str(x) for x in chain for m in ASSERT_MARKERS)
+    wrapped = f" (raised as {type(e).__name__}: {first})"
     kind = next((k for cls, k in _CHECK_ERRORS if isinstance(e, cls)), None)
     if kind is not None:
         rec.add(kind, f"{type(e).__name__}: {e}")
         return
-    if TORCH_DEFAULT_STREAM_REFUSAL in str(e) and not isinstance(e, DefaultStreamCaptureError):
+    refused = not any(isinstance(x, DefaultStreamCaptureError) for x in chain) and \
+        any(TORCH_DEFAULT_STREAM_REFUSAL in str(x) for x in chain)
+    if refused:
         rec.poisoned = True
         seen = ledger.torch_refusals(since, (be.world,))
         at = f" at {seen[-1].site}" if seen and seen[-1].site else ""
         rec.add("error", f"{type(e).__name__} during {step}{at}: {first} -- {_poisoned_by_refusal(be)}")
         return
-    if isinstance(e, StalePoolError) or asserted:
+    if stale is not None or asserted:
         a = attempts[-1] if attempts else None
         if asserted:
             rec.poisoned = True
         if a is not None and [a.key[1], list(a.key[2])] not in rec.pool_ids:
             rec.pool_ids.append([a.key[1], list(a.key[2])])
-        if isinstance(e, StalePoolError):
-            msg = f"StalePoolError: {e}"
+        if stale is not None:
+            msg = f"StalePoolError: {stale}" + ("" if stale is e else wrapped)
         else:
-            msg = f"the allocator asserted during {step}: {first}"
+            torch_said = next(str(x) for x in chain if any(m in str(x) for m in ASSERT_MARKERS))
+            msg = f"the allocator asserted during {step}: {(torch_said.strip().splitlines() or [''])[0]}"
+            msg += "" if torch_said == str(e) else wrapped
             if a is not None:
                 msg += (f" -- a capture into pool {a.key[2]} on device {a.key[1]}"
                         f"{f' at {a.site}' if a.site else ''}, dead since its last graph was "
@@ -250,7 +258,7 @@ def check_held(be: Backend, caller: Caller, current: set[Key]) -> CycleRecord | 
         pins = what_pins(be, pools)
         why = "; ".join(([describe(pins)] if pins else []) + mempool_notes(pools)) or "something else pins them"
         rec.add("leaked", f"once the caller dropped this engine's output, its pools "
-                          f"{[k[2] for k in pools]} still held {left} bytes: " + why,
+                          f"{[k[2] for k in pools]} still held {size_text(left)}: " + why,
                 left, _stacks(be, pools), [p.as_dict() for p in pins])
     else:
         rec.settle_verdict()
@@ -286,7 +294,7 @@ def judge(be: Backend, rec: CycleRecord, output: Any, hold: bool, declared: list
         known = {id(t): "the copy of its output the caller keeps" for t in leaves(output)}
         pins = what_pins(be, pinned, known)
         why = "; ".join(([describe(pins)] if pins else []) + mempool_notes(pinned)) or _leak_hint(output)
-        rec.add("leaked", f"after release its pools {[k[2] for k in pinned]} still hold {total} bytes that no "
+        rec.add("leaked", f"after release its pools {[k[2] for k in pinned]} still hold {size_text(total)} that no "
                           "output the caller holds pins: " + why,
                 total, _stacks(be, list(keys)), [p.as_dict() for p in pins])
     for k in keys:

@@ -13,6 +13,7 @@ from typing import Any
 
 from ..backends import Backend, PoolId
 from ..ledger import SITES, ledger
+from ..sizes import size_text
 from .stale import side_stream_fix
 
 FINDING_KINDS = ("unreleased_graph", "pinned_pool", "pool_never_retired", "expandable_teardown",
@@ -28,7 +29,9 @@ class Finding:
     message: str
     stacks: tuple[str, ...] = ()
     engine: str | None = None  # the engine scope whose capture made the pool
-    sites: tuple[str, ...] = ()  # file:line in function of the user's code that captured into the pool
+    # file:line in function of the user's code that captured into the pool (for a capture refused or asserted on,
+    # ``stale_capture`` and ``default_stream_capture``: the line that tried)
+    sites: tuple[str, ...] = ()
     tests: tuple[str, ...] = ()  # the tests that captured into it
     pins: tuple[dict, ...] = ()  # what keeps its bytes alive, where it can be known (sanitizer.pins)
 
@@ -51,7 +54,7 @@ def collect(backend: Backend, since: int = 0, scope: str | None = None) -> list[
             out.append(Finding(
                 "expandable_teardown", h.key[2], h.key[1], h.live_bytes,
                 f"the last graph of pool {h.key[2]} was reset at {h.reset_site or '(unknown)'} while "
-                f"{h.live_bytes} bytes of it were alive, under expandable_segments:True: freeing them after the "
+                f"{size_text(h.live_bytes)} of it were alive, under expandable_segments:True: freeing them after the "
                 "pool's teardown can crash the process (SIGSEGV)",
                 h.stacks or (h.reset_at,), h.owner, h.sites, tuple(t for t in (h.test,) if t)))
     for d in list(ledger.default_stream):
@@ -69,17 +72,19 @@ def collect(backend: Backend, since: int = 0, scope: str | None = None) -> list[
             what = ("refused before the allocator saw it (StalePoolError)" if a.refused else
                     "the allocator asserted 'use_count > 0' and the process is poisoned: only a new one recovers")
             made = f" (made by {a.owner})" if a.owner else ""
+            stacks = tuple(f"--- {what_} ---\n{text}" for what_, text in (
+                ("the capture began at", a.at), ("the pool was minted at", a.minted_at),
+                ("its last graph was released at", a.released_at)) if text)
             out.append(Finding(
                 "stale_capture", a.key[2], a.key[1], 0,
                 f"a capture into pool {a.key[2]}{made} at {a.site or '(unknown)'}, after all its graphs were "
                 f"released: {what}. Mint a fresh pool per engine (cudagraph_lifecycle.LazyPool) instead of keeping "
-                "that pool's id", tuple(x for x in (a.at, a.minted_at, a.released_at) if x), a.scope,
-                (a.site,) if a.site else (), tuple(t for t in (a.test,) if t)))
-    unreleased: dict[tuple, list] = {}  # one finding per pool and engine, however many graphs
+                "that pool's id", stacks, a.owner, (a.site,) if a.site else (), tuple(t for t in (a.test,) if t)))
+    unreleased: dict[tuple, list] = {}  # one finding per pool, engine and test, however many graphs
     for g in ledger.live_graphs(world):
         if g.seq > since and (scope is None or g.scope == scope):
-            unreleased.setdefault((g.pool_id, g.device, g.scope), []).append(g)
-    for (pool_id, device, owner), graphs in unreleased.items():
+            unreleased.setdefault((g.pool_id, g.device, g.scope, g.test), []).append(g)
+    for (pool_id, device, owner, _), graphs in unreleased.items():
         sites = tuple(dict.fromkeys(g.site for g in graphs if g.site))[:SITES]
         tests = tuple(dict.fromkeys(g.test for g in graphs if g.test))
         held_by = graph_holder(graphs)
@@ -104,7 +109,7 @@ def collect(backend: Backend, since: int = 0, scope: str | None = None) -> list[
             pins = what_pins(backend, [e.key])
             out.append(Finding(
                 "pinned_pool", e.pool_id, e.device, st.reserved_bytes,
-                f"pool {e.pool_id}{where} was released but {st.reserved_bytes} bytes stay reserved: "
+                f"pool {e.pool_id}{where} was released but {size_text(st.reserved_bytes)} stay reserved: "
                 + (describe(pins) if pins else "a tensor allocated in its captures is still alive"),
                 stacks, e.owner, sites, tests, tuple(p.as_dict() for p in pins)))
         elif e.device_count > 0 and not e.live_graphs() and e.captures:

@@ -27,7 +27,8 @@ from typing import Any
 import torch
 
 from ..backends import Backend
-from ..ledger import Key, ledger
+from ..ledger import Key, is_machinery, ledger
+from ..sizes import size_text
 
 _AUTOGRAD_NODES = 20000  # autograd nodes walked at most
 
@@ -41,9 +42,10 @@ FIXES = {
                          "without stream= uses torch.cuda.graph.default_capture_stream; make_graphed_callables warms "
                          "up on a stream of its own, and backward runs on autograd's thread), or call "
                          "torch._C._cuda_clearCublasWorkspaces() after the release once no graph is alive",
-    "unknown": "no Python object or autograd graph reaches it (a C++ cache, an extension, or a library "
-               "workspace while graphs are alive): record allocation stacks (PoolSanitizer(record_history=True)) "
-               "to see where it was allocated",
+    "unknown": "nothing the garbage collector sees reaches it: a local variable of a function still running "
+               "(the collector does not see those), a C++ cache or extension, or a library workspace while graphs "
+               "are alive; record allocation stacks (PoolSanitizer(record_history=True)) to see where it was "
+               "allocated",
 }
 
 
@@ -60,12 +62,14 @@ class Pin:
 
 def describe(pins: list[Pin]) -> str:
     """One line per holder: who pins how many bytes, and the fix."""
-    return "; ".join(f"{p.bytes} bytes pinned by {p.holder} ({p.cause}): {p.fix}" for p in pins)
+    return "; ".join(f"{size_text(p.bytes)} pinned by {p.holder} ({p.cause}): {p.fix}" for p in pins)
 
 
-def what_pins(backend: Backend, keys: list[Key], known: dict[int, str] | None = None) -> list[Pin]:
+def what_pins(backend: Backend, keys: list[Key], known: dict[int, str] | None = None,
+              clear_workspaces: bool = True) -> list[Pin]:
     """The holders of the live blocks of the pools ``keys`` (world, device, pool id), largest first. ``known``
-    names objects the caller knows (id -> words, e.g. the copy of an output a caller keeps)."""
+    names objects the caller knows (id -> words, e.g. the copy of an output a caller keeps). Without
+    ``clear_workspaces`` nothing of the allocator is touched (no library workspace is cleared to find one)."""
     blocks = [(*b.span, b.size, k[1]) for k in keys for b in backend.live_blocks(k[2], k[1]) if b.span]
     if not blocks:
         return []
@@ -88,7 +92,7 @@ def what_pins(backend: Backend, keys: list[Key], known: dict[int, str] | None = 
                     owner[i] = ("python_reference", f"a tensor {_shape(t)} held as {held_as}")
         blind = _autograd(backend, tensors, blocks, owner, name) if len(owner) < len(blocks) else None
     del tensors
-    if len(owner) < len(blocks):
+    if len(owner) < len(blocks) and clear_workspaces:
         _workspaces(backend, keys, blocks, owner)
     if blind is not None:  # what is left is most likely what tensors that graph saved hold
         for i in range(len(blocks)):
@@ -96,7 +100,7 @@ def what_pins(backend: Backend, keys: list[Key], known: dict[int, str] | None = 
                                                      "place since, so autograd will not hand them back to compare)"))
     grouped: dict[tuple[str, str], int] = {}
     for i, (_, _, size, _) in enumerate(blocks):
-        cause, holder = owner.get(i, ("unknown", "something outside Python"))
+        cause, holder = owner.get(i, ("unknown", "a holder the garbage collector does not see"))
         grouped[(cause, holder)] = grouped.get((cause, holder), 0) + size
     pins = [Pin(cause, n, holder, FIXES[cause]) for (cause, holder), n in grouped.items()]
     return sorted(pins, key=lambda p: -p.bytes)
@@ -112,7 +116,9 @@ def graph_holder(entries: list) -> str | None:
         if graph is None:
             continue
         try:
-            named = _holder(graph, {id(here), id(here.f_back)}, depth=5)  # up to where the engine keeps it
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # deprecated module attributes warn when touched
+                named = _holder(graph, {id(here), id(here.f_back)}, depth=5)  # up to where the engine keeps it
         finally:
             del graph
         if named is not None:
@@ -129,7 +135,10 @@ def mempool_holder(key: Key) -> str | None:
         return None
     here = sys._getframe()
     try:
-        return _holder(mp, {id(here), id(here.f_back)}, depth=4) or "something outside Python"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # deprecated module attributes warn when touched
+            return _holder(mp, {id(here), id(here.f_back)}, depth=4) or \
+                "a holder the garbage collector does not see (a local variable of a function still running, or C++)"
     finally:
         del mp
 
@@ -180,10 +189,9 @@ def _holder(obj: Any, ignore: set[int], depth: int = 3) -> str | None:
             module = _module_named(ref)
             if module is not None:
                 return f"global `{key}` of module {module}"
-            cls = _class_of(ref, key, obj)
-            if cls is not None:
-                return _class_attribute(cls, key)
-            owner = _dict_owner(ref, ignore | {id(ref)})
+            owner = _dict_owner(ref, ignore | {id(ref)}, key, obj)
+            if isinstance(owner, type):
+                return _class_attribute(owner, key)
             if owner is not None:
                 return _attribute(owner, key, ignore | {id(ref)}, depth)
             what, up = f"key `{key}` of a dict", _up(ref, ignore, depth)
@@ -193,15 +201,18 @@ def _holder(obj: Any, ignore: set[int], depth: int = 3) -> str | None:
         elif isinstance(ref, (list, tuple, set)):
             what, up = f"an item of a {type(ref).__name__}", _up(ref, ignore, depth)
         elif isinstance(ref, types.FrameType):
-            key = next((k for k, v in ref.f_locals.items() if v is obj), "?")
-            return f"local variable `{key}` of {ref.f_code.co_name} ({ref.f_code.co_filename}:{ref.f_lineno})"
+            if is_machinery(ref.f_code.co_filename):
+                continue  # this search's own frames (and the harness's) are no holder
+            # not by name: reading a running frame's f_locals (before Python 3.13) stores a snapshot of its
+            # locals on the frame, which would keep them alive after the function drops them
+            return f"a local variable of {ref.f_code.co_name} ({ref.f_code.co_filename}:{ref.f_lineno})"
         elif isinstance(ref, types.CellType):
             fn = next((f for f in gc.get_referrers(ref) if isinstance(f, tuple)), None)
             owner = next((f for f in gc.get_referrers(fn) if isinstance(f, types.FunctionType)), None) if fn else None
             if owner is None:
                 continue  # a cell of a function now running: its frame, not a holder Python can name
             return f"a closure variable of {owner.__qualname__} ({owner.__code__.co_filename})"
-        elif isinstance(ref, type):  # a class attribute, found among frozen holders (_frozen_holders)
+        elif issubclass(type(ref), type):  # a class attribute, found among frozen holders (_frozen_holders)
             key = next((k for k, v in vars(ref).items() if v is obj), None)
             if key is not None:
                 return _class_attribute(ref, key)
@@ -217,21 +228,30 @@ def _holder(obj: Any, ignore: set[int], depth: int = 3) -> str | None:
     return unnamed
 
 
+def _running_local(obj: Any) -> str | None:
+    """A local variable of a function still running (in any thread) that is ``obj``: such a frame is no
+    referrer the collector reports. The machinery's own frames (this search's callers) are skipped."""
+    for top in list(sys._current_frames().values()):
+        f = top
+        while f is not None:
+            code = f.f_code
+            if not is_machinery(code.co_filename):
+                key = next((k for k, v in list(f.f_locals.items()) if v is obj), None)
+                if key is not None:
+                    return f"local variable `{key}` of {code.co_name} ({code.co_filename}:{f.f_lineno})"
+            f = f.f_back
+    return None
+
+
 def _attribute(owner: Any, key: str, ignore: set[int], depth: int) -> str:
     """``attribute `key` of a <Class> object (<who holds it>)``, or the words the class gives for what it
     holds there (``HOLDER_WORDS``: a harness's own objects, named in the user's terms)."""
     words = getattr(type(owner), "HOLDER_WORDS", None)
     if isinstance(words, dict) and isinstance(words.get(key), str):
         return words[key]
+    if isinstance(owner, types.FunctionType):  # a function's own attribute (a cache kept on it)
+        return f"attribute `{key}` of function {owner.__qualname__} ({owner.__module__})"
     return f"attribute `{key}` of a {type(owner).__qualname__} object" + _up(owner, ignore, depth)
-
-
-def _class_of(d: dict, key: Any, obj: Any) -> type | None:
-    """The class whose namespace ``d`` is (a class attribute: the class shows it as a mappingproxy)."""
-    for ref in gc.get_referrers(d):
-        if isinstance(ref, type) and vars(ref).get(key) is obj:
-            return ref
-    return None
 
 
 def _class_attribute(cls: type, key: str) -> str:
@@ -251,7 +271,7 @@ def _frozen_holders(obj: Any) -> list:
         for v in list(d.values()):
             if v is obj:
                 out.append(d)
-            elif isinstance(v, type) and getattr(v, "__module__", None) == mod.__name__:
+            elif issubclass(type(v), type) and v.__dict__.get("__module__") == getattr(mod, "__name__", None):
                 if any(x is obj for x in list(vars(v).values())):
                     out.append(v)  # a class attribute (the class's namespace is frozen with it)
             elif type(v) in (list, tuple):
@@ -270,11 +290,16 @@ def _up(obj: Any, ignore: set[int], depth: int) -> str:
     return f" ({up})" if up else ""
 
 
-def _dict_owner(d: dict, ignore: set[int]) -> Any:
-    """The object whose ``__dict__`` ``d`` is, or None."""
+def _dict_owner(d: dict, ignore: set[int], key: Any, obj: Any) -> Any:
+    """The object whose ``__dict__`` ``d`` is, or the class whose namespace it is (a class shows it as a
+    mappingproxy, so it is told by holding ``obj`` under ``key``), or None. One pass over the referrers."""
     for ref in gc.get_referrers(d):
-        if id(ref) not in ignore and not isinstance(ref, (dict, list, tuple, types.FrameType)) \
-                and getattr(ref, "__dict__", None) is d:
+        if id(ref) in ignore or isinstance(ref, (dict, list, tuple, types.FrameType)):
+            continue
+        if issubclass(type(ref), type):
+            if vars(ref).get(key) is obj:
+                return ref
+        elif getattr(ref, "__dict__", None) is d:
             return ref
     return None
 

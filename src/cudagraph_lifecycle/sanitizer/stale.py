@@ -6,6 +6,7 @@ from __future__ import annotations
 from ..backends import Backend
 from ..errors import DefaultStreamCaptureError, ExpandableSegmentsHazardError, StalePoolError
 from ..ledger import DefaultStreamCapture, StaleAttempt, TeardownHazard
+from ..sizes import size_text
 
 SIDE_STREAM_FIX = ("Capture on a side stream: `s = torch.cuda.Stream()`, then `with torch.cuda.stream(s):` around the "
                    "capture (torch.cuda.graph makes one for you)")
@@ -27,7 +28,7 @@ def stale_error(backend: Backend, attempt: StaleAttempt) -> StalePoolError:
     if attempt.device_dead:
         st = backend.pool_state(pool_id, device)
         why.append(
-            f"the device allocator still holds it ({st.reserved_bytes} bytes in {st.segments} segment(s)"
+            f"the device allocator still holds it ({size_text(st.reserved_bytes)} in {st.segments} segment(s)"
             + (f": {_pinned_by(backend, attempt)})" if st.allocated_bytes else
                ": a live tensor from its captures pins it)" if st.reserved_bytes else "; empty_cache has not run)")
         )
@@ -54,7 +55,7 @@ def _pinned_by(backend: Backend, attempt: StaleAttempt) -> str:
     from .pins import describe, what_pins
 
     try:
-        pins = what_pins(backend, [attempt.key])
+        pins = what_pins(backend, [attempt.key], clear_workspaces=False)  # explain, change nothing
     except Exception:  # naming the holder must never replace the error it explains
         pins = []
     return describe(pins) if pins else "a live tensor from its captures pins it"
@@ -70,7 +71,7 @@ def hazard_error(hazard: TeardownHazard, mode: str = "on") -> ExpandableSegments
         "--cudagraph-expandable-teardown=report")
     err = ExpandableSegmentsHazardError(
         f"reset of the last graph of pool {tuple(pool_id)} on device {device} at {hazard.reset_site or '(unknown)'} "
-        f"while {hazard.live_bytes} bytes allocated in its captures are alive, under expandable_segments:True: "
+        f"while {size_text(hazard.live_bytes)} allocated in its captures are alive, under expandable_segments:True: "
         "freeing such blocks after the pool's teardown crashed torch 2.11 on the H200 (SIGSEGV, a glibc abort, "
         "or 'cudaMalloc_count > 0 INTERNAL ASSERT FAILED' in empty_cache). Drop (or copy out and drop) every "
         "output and tensor of the pool's captures before the reset, so the graph goes last. "
