@@ -154,6 +154,9 @@ class RankError(Exception):
         super().__init__("; ".join(lines) + f"\n\n--- traceback on rank {failures[0][0]} ---\n{tb}")
 
 
+_HIDE_RANK_ERRORS = operator.methodcaller("errisinstance", (RankError, WorkerError))  # as HIDE_WORKER_ERRORS
+
+
 class MPIRanks:
     """``n`` reused MPI ranks behind a controller worker: :meth:`call_all` runs a callable on every rank.
 
@@ -177,7 +180,7 @@ class MPIRanks:
 
     def call_all(self, fn, *args: Any, **kwargs: Any) -> list[tuple[int, int, Any]]:
         # a rank's error points at the test's call (its own traceback is in the message); a bug of ours does not
-        __tracebackhide__ = operator.methodcaller("errisinstance", (RankError, WorkerError))
+        __tracebackhide__ = _HIDE_RANK_ERRORS
         payload = dumps_call(fn, args, kwargs)
         results = self.controller.call(_call_all, self.ranks, payload, list(sys.path))
         failures = [(rank, pid, v) for rank, pid, status, v, _ in results if status == "err"]

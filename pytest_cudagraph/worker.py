@@ -170,6 +170,11 @@ class WorkerError(Exception):
     """Base of the worker's reports."""
 
 
+# ``__tracebackhide__`` of the calls that raise them: pytest leaves out those frames for these errors only (a
+# bug of ours keeps its frames); made once, since a worker call is timed
+HIDE_WORKER_ERRORS = operator.methodcaller("errisinstance", WorkerError)
+
+
 class WorkerCrashed(WorkerError):
     """The child died during a call: signal or exit code, the tail of its stderr, and the teardown hazards
     the sanitizer recorded in it before (``hazards``: dicts with pool_id, live_bytes, reset_site, test)."""
@@ -855,7 +860,7 @@ class ReusedWorker:
 
     def call(self, fn, *args: Any, **kwargs: Any) -> Any:
         # the child's error points at the test's call (its traceback is in the message); a bug of ours does not
-        __tracebackhide__ = operator.methodcaller("errisinstance", WorkerError)
+        __tracebackhide__ = HIDE_WORKER_ERRORS
         # pickled before the start: a callable that cannot travel fails without starting a child
         forked_main = self._forked_main
         payload = dumps_call(fn, args, kwargs, forked_main)

@@ -125,6 +125,60 @@ def sanitizer_catches_naive_engine():
             "caught": second["problems"][0]["message"] if second["problems"] else None, "usable": ok}
 
 
+def naive_engine_that_catches(sanitized, backend="cuda"):
+    """The seed bug in an engine that catches its capture's error and runs eagerly: the second engine is
+    stale all the same (the ledger saw the attempt), poisoned only where no sanitizer refused it; a
+    stale_capture finding names the line; the StalePoolError names what pins the pool."""
+    import sys
+
+    sys.path.insert(0, "examples")
+    from engines import NaiveEngine, make_naive_engine
+
+    from cudagraph_lifecycle import PoolSanitizer, StalePoolError
+    from cudagraph_lifecycle.cycle import run_cycle
+
+    errors = []
+
+    class Catching:
+        def __init__(self, be):
+            self.e, self.captured = make_naive_engine(be), False
+
+        def capture(self):
+            try:
+                self.e.capture()
+                self.captured = True
+            except RuntimeError as e:  # falls back to eager, as servers do
+                errors.append(f"{type(e).__name__}: {e}")
+
+        def run(self, x):
+            return self.e.run(x) if self.captured else self.e.forward(x)
+
+        def eager(self, x):
+            return self.e.forward(x)
+
+        def example_input(self):
+            return self.e.example_input()
+
+        def release(self):
+            self.e.release()
+
+    _without_worker_sanitizer()
+    NaiveEngine._pool = None
+    be = get_backend(backend)
+    san = PoolSanitizer(be).start() if sanitized else None
+    try:
+        first = run_cycle(Catching, backend, 0)[-1]
+        second = run_cycle(Catching, backend, 1)[-1]
+        findings = [(f.kind, f.sites) for f in san.findings()] if san else []
+    finally:
+        if san:
+            san.stop()
+        NaiveEngine._pool = None
+    return {"first": first["verdict"], "second": second["verdict"], "poisoned": second["poisoned"],
+            "message": second["problems"][0]["message"] if second["problems"] else "", "errors": errors,
+            "refused": bool(errors) and errors[0].startswith(StalePoolError.__name__), "findings": findings}
+
+
 def begin_without_a_side_stream(g):
     g.capture_begin()
 

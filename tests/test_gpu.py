@@ -43,6 +43,21 @@ def test_sanitizer_catches_the_seed_bug_and_the_process_goes_on(cudagraph_worker
     assert "last graph was released at" in r["caught"] and "in release" in r["caught"]
 
 
+@pytest.mark.parametrize("sanitized", [True, False])
+def test_a_stale_capture_the_engine_caught_is_still_stale(cudagraph_worker, sanitized):
+    r = cudagraph_worker.call(gpu_cases.naive_engine_that_catches, sanitized)
+    if r["poisoned"]:
+        cudagraph_worker.restart_before_next_call()
+    assert r["first"] == "held" and r["second"] == "stale" and r["poisoned"] is not sanitized, r
+    assert "whose error the engine caught" in r["message"] and "engines.py" in r["message"], r
+    assert r["refused"] is sanitized, r["errors"]
+    if sanitized:  # what pins the pool is named, and the attempt is a finding with its line
+        assert "held as the previous engine's output, which the caller holds" in r["errors"][0], r["errors"]
+        assert [k for k, _ in r["findings"]] == ["stale_capture"] and "engines.py" in r["findings"][0][1][0], r
+    else:
+        assert "use_count > 0" in r["errors"][0], r["errors"]
+
+
 def test_a_capture_on_the_default_stream_is_refused_before_torch_poisons_random_ops(cudagraph_worker):
     r = cudagraph_worker.call(gpu_cases.default_stream_capture, True)
     if not r.get("ours"):
