@@ -578,8 +578,7 @@ def test_an_engine_capturing_on_the_default_stream(cudagraph_worker, engine, san
 
 
 class KeptHandleEngine:
-    """Keeps its pool id on the class across engines, and runs eagerly when its capture fails (it catches the
-    error), as servers do: a kept handle's stale capture never reaches the cycle."""
+    """Keeps its pool id on the class across engines (the seed bug, written by hand)."""
 
     pool = None
 
@@ -591,14 +590,11 @@ class KeptHandleEngine:
         if KeptHandleEngine.pool is None:
             KeptHandleEngine.pool = be.graph_pool_handle()
         g = be.new_graph()
-        try:
-            with be.stream(be.capture_stream(0)):
-                g.capture_begin(pool=KeptHandleEngine.pool)
-                self.y = self.w * 2
-                g.capture_end()
-            self.g = g
-        except RuntimeError:
-            self.g = None
+        with be.stream(be.capture_stream(0)):
+            g.capture_begin(pool=KeptHandleEngine.pool)
+            self.y = self.w * 2
+            g.capture_end()
+        self.g = g
 
     def run(self, x):
         if self.g is None:
@@ -615,38 +611,21 @@ class KeptHandleEngine:
     def release(self):
         if self.g is not None:
             self.g.reset()
-        self.g = None
+        self.g = self.y = None
 
 
-def _kept_handle_cycles(sanitized):
-    """Two cycles of KeptHandleEngine in an isolated sim world, holding the first engine's output."""
-    from cudagraph_lifecycle.cycle import run_cycle
-
-    KeptHandleEngine.pool = None
-    be = SimBackend()
-    san = PoolSanitizer(be).start() if sanitized else None
-    try:
-        return run_cycle(KeptHandleEngine, be, 0, test="t") + run_cycle(KeptHandleEngine, be, 1, test="t")
-    finally:
-        if san:
-            san.stop()
-
-
-class KeptHandleRaising(KeptHandleEngine):
-    """As KeptHandleEngine, but the capture's error reaches the cycle."""
+class KeptHandleCatching(KeptHandleEngine):
+    """Runs eagerly when its capture fails (it catches the error), as servers do: a kept handle's stale
+    capture never reaches the cycle."""
 
     def capture(self):
-        be = self.be
-        if KeptHandleEngine.pool is None:
-            KeptHandleEngine.pool = be.graph_pool_handle()
-        self.g = be.new_graph()
-        with be.stream(be.capture_stream(0)):
-            self.g.capture_begin(pool=KeptHandleEngine.pool)
-            self.y = self.w * 2
-            self.g.capture_end()
+        try:
+            super().capture()
+        except RuntimeError:
+            self.g = None
 
 
-class KeptHandleWrapping(KeptHandleRaising):
+class KeptHandleWrapping(KeptHandleEngine):
     """Wraps the capture's error in its own, as servers and compilers do."""
 
     def capture(self):
@@ -656,7 +635,8 @@ class KeptHandleWrapping(KeptHandleRaising):
             raise RuntimeError("the engine could not capture its graphs") from e
 
 
-def _kept_handle_raising_cycles(engine=KeptHandleRaising, sanitized=True):
+def _kept_handle_cycles(engine, sanitized=True):
+    """Two cycles of ``engine`` in an isolated sim world, the caller holding the first engine's output."""
     from cudagraph_lifecycle.cycle import run_cycle
 
     KeptHandleEngine.pool = None
@@ -671,7 +651,7 @@ def _kept_handle_raising_cycles(engine=KeptHandleRaising, sanitized=True):
 
 @pytest.mark.parametrize("sanitized", [True, False])
 def test_a_stale_capture_the_engine_wrapped_in_its_own_error_is_stale(cudagraph_worker, sanitized):
-    last = cudagraph_worker.call(_kept_handle_raising_cycles, KeptHandleWrapping, sanitized)[-1]
+    last = cudagraph_worker.call(_kept_handle_cycles, KeptHandleWrapping, sanitized)[-1]
     assert last["verdict"] == "stale" and last["poisoned"] is not sanitized, last
     (p,) = last["problems"]
     assert "(raised as RuntimeError: the engine could not capture its graphs)" in p["message"], p
@@ -680,7 +660,7 @@ def test_a_stale_capture_the_engine_wrapped_in_its_own_error_is_stale(cudagraph_
 
 def test_a_stale_pool_error_in_a_cycle_names_the_callers_held_output(cudagraph_worker):
     """What pins the dead pool is the output the caller holds (output="hold"), said in those words."""
-    last = cudagraph_worker.call(_kept_handle_raising_cycles)[-1]
+    last = cudagraph_worker.call(_kept_handle_cycles, KeptHandleEngine)[-1]
     assert last["verdict"] == "stale", last
     text = last["problems"][0]["message"]
     assert "held as the previous engine's output, which the caller holds until the next engine has captured" in text
@@ -690,7 +670,7 @@ def test_a_stale_pool_error_in_a_cycle_names_the_callers_held_output(cudagraph_w
 def test_a_stale_capture_the_engine_caught_is_still_stale(cudagraph_worker, sanitized):
     """The engine catches the error and runs eagerly: the cycle is stale all the same, naming the line that
     tried; without a sanitizer the allocator asserted, so the process is poisoned (the worker is replaced)."""
-    recs = cudagraph_worker.call(_kept_handle_cycles, sanitized)
+    recs = cudagraph_worker.call(_kept_handle_cycles, KeptHandleCatching, sanitized)
     last = recs[-1]
     assert last["index"] == 1 and last["verdict"] == "stale" and last["poisoned"] is not sanitized, last
     (p,) = [p for p in last["problems"] if p["kind"] == "stale"]
@@ -698,14 +678,14 @@ def test_a_stale_capture_the_engine_caught_is_still_stale(cudagraph_worker, sani
     assert ("sanitizer refused it" in p["message"]) is sanitized and "[engine 0]" in p["message"]
 
 
-class MemPoolOnTheClass:
+class MemPoolOnTheClass(KeptHandleEngine):
     """Keeps one MemPool on the class across engines (a model server's reload keeps it): after release its
     pool keeps its segments reserved, with every block free."""
 
     POOL = None
 
     def __init__(self, be):
-        self.be, self.w, self.g = be, be.randn(8), None
+        super().__init__(be)
         if MemPoolOnTheClass.POOL is None:
             MemPoolOnTheClass.POOL = be.mempool(0)
 
@@ -713,20 +693,6 @@ class MemPoolOnTheClass:
         self.g = self.be.new_graph()
         with self.be.graph(self.g, pool=MemPoolOnTheClass.POOL.id):
             self.y = self.w * 2
-
-    def run(self, x):
-        self.g.replay()
-        return self.y
-
-    def eager(self, x):
-        return self.w * 2
-
-    def example_input(self):
-        return self.w
-
-    def release(self):
-        self.g.reset()
-        self.g = self.y = None
 
 
 def _mempool_on_the_class_cycle():
