@@ -739,12 +739,14 @@ def test_a_refused_capture_that_reached_the_cycle_is_one_problem(cudagraph_worke
 @pytest.mark.parametrize("strict", [False, True])
 def test_a_refused_capture_the_engine_caught_is_in_its_cycle(cudagraph_worker, strict):
     """Under the worker's sanitizer the refusal never poisons, and the engine runs eagerly: the cycle still
-    carries the finding (the worker's own findings leave an engine's to its record), failing under strict."""
+    carries the finding (the worker's own findings leave an engine's to its record), and fails in every mode:
+    without the sanitizer the same engine poisons its process."""
     (rec,) = cudagraph_worker.call(_under_the_workers_sanitizer, SwallowingEngine, strict)
     (p,) = rec["problems"]
-    assert p["kind"] == "sanitizer" and "default_stream_capture" in p["message"] and not rec["poisoned"]
-    assert "refused before torch ran it" in p["message"] and "in capture" in p["message"]
-    assert rec["failed"] is strict and [f["kind"] for f in rec["sanitizer"]] == ["default_stream_capture"]
+    assert p["kind"] == "error" and p["message"].startswith("default_stream_capture, whose error the engine caught")
+    assert "refused before torch ran it" in p["message"] and "in capture" in p["message"] and not rec["poisoned"]
+    assert rec["failed"] and rec["verdict"] == "error"
+    assert [f["kind"] for f in rec["sanitizer"]] == ["default_stream_capture"]
 
 
 FALLS_BACK_TO_EAGER = """
@@ -783,10 +785,10 @@ def test_raw():
     res.stdout.fnmatch_lines(["*test_raw: default_stream_capture: device 0*"])
 
 
-@pytest.mark.parametrize("mode, outcome", [("on", {"passed": 1}), ("strict", {"passed": 1, "errors": 1})])
+@pytest.mark.parametrize("mode, outcome", [("on", {"passed": 1, "errors": 1}), ("strict", {"passed": 1, "errors": 1})])
 def test_a_swallowed_default_stream_capture_is_still_a_finding(pytester, mode, outcome):
     """An engine that catches the capture's error and runs eagerly hides it from the test: the finding still
-    names the test and the line, and fails it under strict."""
+    names the test and the line, and fails it in every mode (without the sanitizer it poisons the process)."""
     pytester.makepyfile(test_eager=FALLS_BACK_TO_EAGER)
     report = pytester.path / "r.json"
     res = pytester.runpytest_subprocess("-p", "cudagraph", "-p", "no:cacheprovider", "--cudagraph-backend=sim",
@@ -799,6 +801,38 @@ def test_a_swallowed_default_stream_capture_is_still_a_finding(pytester, mode, o
     assert f["sites"][0].endswith("test_eager.py:6 in try_to_capture") and "refused before torch ran it" in f["message"]
     res.stdout.fnmatch_lines(["test_eager.py::test_engine_falls_back_to_eager: default_stream_capture: device 0",
                               "*began at *test_eager.py:6 in try_to_capture"])
+
+
+CAUGHT_STALE = """
+import pytest
+from cudagraph_lifecycle import StalePoolError, get_backend
+from cudagraph_lifecycle.conformance import Ctx
+
+KEPT = []
+
+
+@pytest.mark.cudagraph
+def test_a_reload_that_catches_the_stale_capture():
+    be = get_backend("sim")
+    c, h = Ctx(be), be.graph_pool_handle()
+    g = be.new_graph()
+    KEPT.append(c.step(g, h))
+    g.reset()
+    try:
+        c.step(be.new_graph(), h)
+    except StalePoolError:
+        pass  # falls back to eager
+"""
+
+
+def test_a_caught_stale_capture_fails_its_marked_test_under_on(pytester):
+    """Without the sanitizer the allocator's assert fails this test; with it, the engine's fallback would hide
+    it: the stale_capture finding fails the test in every mode, a pinned pool only under strict."""
+    pytester.makepyfile(test_caught=CAUGHT_STALE)
+    res = pytester.runpytest_subprocess("-p", "cudagraph", "-p", "no:cacheprovider", "--cudagraph-backend=sim")
+    res.assert_outcomes(passed=1, errors=1)
+    out = res.stdout.str()
+    assert "- stale_capture: a capture into pool (0, 1) (made by " in out and "- pinned_pool" not in out, out
 
 
 POISONING_TESTS = """

@@ -15,6 +15,7 @@ from ..backends import Backend, get_backend
 from ..errors import ConfigError
 from ..ledger import ledger
 from ..sanitizer import global_sanitizer
+from ..sanitizer.findings import PREVENTED_KINDS
 from ..sizes import size_text
 from .caller import OUTPUT_MODES, caller_copy, caller_of
 from .engine import PROTOCOL, Engine, check_pool_ids
@@ -154,7 +155,11 @@ def run_cycle(
             f.kind == "pool_never_retired" or (f.kind == "default_stream_capture" and not raised))]
         rec.sanitizer = [f.as_dict() for f in found]
         for f in found:
-            rec.add("sanitizer", f"{f.kind}: {f.message}", f.bytes)
+            if f.kind in PREVENTED_KINDS:  # the engine never captured, and without the sanitizer it poisons
+                rec.add("error", f"{f.kind}, whose error the engine caught (it ran without that graph): "
+                                 f"{f.message}", f.bytes)
+            else:
+                rec.add("sanitizer", f"{f.kind}: {f.message}", f.bytes)
     if output == "hold":
         caller.held, caller.held_pools, caller.held_record = kept, pools, rec
     else:
