@@ -65,7 +65,8 @@ def lifecycle_section(tr: Any, state: dict, backend: str | None) -> None:
         tr.write_line(
             f"{name:<44} {c['index']:>2} {_who(c):>9} {pools:>9} {c.get('graphs', 0):>6} "
             f"{ms:>10} {_mib(c.get('pool_bytes', 0)):>7} {_mib(c.get('held_bytes', 0)):>7} "
-            f"{_mib(c.get('leaked_bytes', 0)):>7} {_mib(c.get('growth_bytes', 0)):>7} {verdict}"
+            f"{_mib(c.get('leaked_bytes', 0)):>7} {_mib(max(c.get('growth_bytes', 0), c.get('kept_bytes', 0))):>7} "
+            f"{verdict}"
         )
         if c.get("freed_earlier_bytes"):
             tr.write_line(f"{'':<48}  default pool: {_mib(c['freed_earlier_bytes'])} held from before this engine went "

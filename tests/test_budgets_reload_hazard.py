@@ -88,10 +88,35 @@ def test_growth(engine_sequence):
     monkeypatch.setenv("CUDAGRAPH_MAX_GROWTH", "1MiB")
     res = pytester.runpytest_subprocess("-p", "cudagraph", "-p", "no:cacheprovider", "--cudagraph-backend=sim")
     res.assert_outcomes(failed=1)
-    res.stdout.fnmatch_lines(["*growth_over_budget: the default pool grew by 20 MiB (20971520 bytes) over this "
-                              "engine, above the budget of 1 MiB (1048576 bytes) set by CUDAGRAPH_MAX_GROWTH=1MiB*"])
+    res.stdout.fnmatch_lines(["*growth_over_budget: the default pool grew by 20 MiB (20971520 bytes) of segments and "
+                              "4 MiB (4194304 bytes) of live blocks over this engine, above the budget of 1 MiB "
+                              "(1048576 bytes) set by CUDAGRAPH_MAX_GROWTH=1MiB*"])
     res = pytester.runpytest_subprocess("-p", "cudagraph", "-p", "no:cacheprovider", "--cudagraph-backend=sim",
                                         "--cudagraph-max-growth=64MiB")
+    res.assert_outcomes(passed=1)
+
+
+def test_a_steady_leak_into_segments_with_room_is_over_the_growth_budget_every_time(pytester):
+    """4 MiB kept per engine: the first fills a new 20 MiB segment, the next ones fit in it (no reserved
+    growth), but each engine's live blocks grew by 4 MiB: over a 3 MiB budget every time."""
+    pytester.makepyfile(engines_mod=ENGINES + '''
+KEPT = []
+
+def leaves_a_workspace(backend):
+    KEPT.append(backend.randn(1 << 20))
+    return Engine(backend)
+''')
+    pytester.makepyfile(test_a='''
+from engines_mod import leaves_a_workspace
+
+def test_growth(engine_sequence):
+    recs = engine_sequence(leaves_a_workspace, 3, output="drop", check=False)
+    assert [r["kept_bytes"] for r in recs] == [4 << 20] * 3
+    assert [r["growth_bytes"] for r in recs] == [20 << 20, 0, 0]
+    assert all(any(p["kind"] == "growth_over_budget" for p in r["problems"]) for r in recs)
+''')
+    res = pytester.runpytest_subprocess("-p", "cudagraph", "-p", "no:cacheprovider", "--cudagraph-backend=sim",
+                                        "--cudagraph-max-growth=3MiB")
     res.assert_outcomes(passed=1)
 
 

@@ -272,6 +272,10 @@ class Backend(ABC):
         """Reserved bytes outside every private pool (weights, inputs, library workspaces)."""
         return self.memory_reserved(device) - sum(s["size"] for s in self.segments(device) if s["pool_id"] != (0, 0))
 
+    def default_pool_allocated(self, device: int = 0) -> int:
+        """Bytes in live blocks outside every private pool: what is kept there, whatever segments it fills."""
+        return sum(s["allocated"] for s in self.segments(device) if s["pool_id"] == (0, 0))
+
     def live_blocks(self, pool_id: PoolId, device: int = 0) -> list[Block]:
         """The live blocks of a pool, with allocation stacks where they were recorded
         (``record_history``); empty where the backend cannot list them."""

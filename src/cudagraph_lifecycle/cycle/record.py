@@ -62,6 +62,7 @@ class CycleRecord:
     held_bytes: int = 0  # after release, pinned by the output the caller holds
     leaked_bytes: int = 0
     growth_bytes: int = 0  # what the engine left in the default pool: its growth from before the build, >= 0
+    kept_bytes: int = 0  # the default pool's live blocks the engine left (growth in blocks, not segments), >= 0
     freed_earlier_bytes: int = 0  # default-pool bytes from before the engine that went during it
     # the allocator asserted, or torch refused a capture on the default stream: this process is of no more use
     poisoned: bool = False
