@@ -695,17 +695,19 @@ class MemPoolOnTheClass(KeptHandleEngine):
             self.y = self.w * 2
 
 
-def _mempool_on_the_class_cycle():
+def _mempool_on_the_class_cycle(output):
     from cudagraph_lifecycle.cycle import run_cycle
 
     MemPoolOnTheClass.POOL = None
-    return run_cycle(MemPoolOnTheClass, SimBackend(), 0, output="drop", test="t")
+    return run_cycle(MemPoolOnTheClass, SimBackend(), 0, output=output, test="t")
 
 
-def test_a_mempool_kept_on_a_class_is_named_as_what_keeps_the_pool(cudagraph_worker):
-    """Every block of the pool is free, so no tensor pins it: its MemPool object does, and who holds that is
-    named (in a reused worker, whose start-up heap is frozen, as in a plain process)."""
-    (rec,) = cudagraph_worker.call(_mempool_on_the_class_cycle)
+@pytest.mark.parametrize("output", ["drop", "hold"])
+def test_a_mempool_kept_on_a_class_is_named_as_what_keeps_the_pool(cudagraph_worker, output):
+    """Every block of the pool is free (or only the held output's), so no tensor pins it: its MemPool object
+    does, and who holds that is named (in a reused worker, whose start-up heap is frozen, as in a plain
+    process). Leaked at once, held output or not: the next engine would capture into the same pool."""
+    (rec,) = cudagraph_worker.call(_mempool_on_the_class_cycle, output)
     assert rec["verdict"] == "leaked", rec
     (p,) = [p for p in rec["problems"] if p["kind"] == "leaked"]
     assert "MemPool object is alive, held as class attribute `POOL` of MemPoolOnTheClass" in p["message"], p

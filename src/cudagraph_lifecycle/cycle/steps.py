@@ -29,7 +29,7 @@ from ..errors import (
     exception_chain,
 )
 from ..ledger import Key, ledger
-from ..sanitizer.pins import describe, graph_holder, mempool_notes, what_pins
+from ..sanitizer.pins import describe, graph_holder, mempool_holder, mempool_notes, what_pins
 from ..sanitizer.stale import side_stream_fix
 from ..sizes import size_text
 from ..trees import leaves
@@ -285,6 +285,14 @@ def judge(be: Backend, rec: CycleRecord, output: Any, hold: bool, declared: list
                    "something still holds them after release (a module global, a cache of graphs)"),
                 0, [str(not_reset[0].captured_at)])
     left = {k: be.pool_state(k[2], k[1]).reserved_bytes for k in keys}
+    # a pool whose MemPool object someone still holds stays whatever the caller drops (and the next engine may
+    # capture into it, so it would never be judged again): leaked now, held output or not
+    by_mempool = [k for k, b in left.items() if b and mempool_holder(k) is not None] if hold else []
+    if by_mempool:
+        kept = sum(left.pop(k) for k in by_mempool)
+        rec.leaked_bytes += kept
+        rec.add("leaked", f"after release its pools {[k[2] for k in by_mempool]} still hold {size_text(kept)}: "
+                + "; ".join(mempool_notes(by_mempool)), kept, _stacks(be, by_mempool))
     total = sum(left.values())
     if total and hold and output is not None:
         rec.held_bytes = total  # judged again once the caller drops it (check_held)
