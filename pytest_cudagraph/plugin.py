@@ -103,6 +103,8 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(problem)
     s = settings.resolve(config)
     config.stash[SETTINGS_KEY] = s
+    for line in settings.unknown_variables(os.environ):
+        config.issue_config_time_warning(pytest.PytestConfigWarning(line), stacklevel=2)
     config.stash[STATE_KEY] = reporting.new_state()
     if s["report"]:
         s["report"] = _check_report_path(s)

@@ -183,6 +183,32 @@ def _convert(o: Option, raw: Any, source: str, ini: IniFile = PYTEST_INI) -> Any
     return value
 
 
+# the variables the library reads (the program-wide sanitizer, checked mode) and those the plugin sets for its
+# own workers: with the options' variables, every CUDAGRAPH_* name that means something
+LIBRARY_VARIABLES = ("CUDAGRAPH_SANITIZE", "CUDAGRAPH_SANITIZE_BACKEND", "CUDAGRAPH_EXPANDABLE_TEARDOWN",
+                     "CUDAGRAPH_CHECKED")
+INTERNAL_VARIABLES = ("CUDAGRAPH_HAZARD_FILE", "CUDAGRAPH_IN_WORKER", "CUDAGRAPH_WORKER_TAG",
+                      "CUDAGRAPH_CONFORMANCE_BACKEND")  # (the last: this project's conformance tests')
+
+
+def unknown_variables(environ: Any) -> list[str]:
+    """A line for each ``CUDAGRAPH_*`` variable set that nothing reads (a misspelling: ``CUDAGRAPH_SANITISE``,
+    ``CUDAGRAPH_WORKER``), with the nearest name that is read."""
+    import difflib
+
+    known = [o.env for o in OPTIONS] + list(LIBRARY_VARIABLES)
+    out = []
+    for name in sorted(k for k in environ if k.startswith("CUDAGRAPH_")):
+        if name in known or name in INTERNAL_VARIABLES:
+            continue
+        suffixes = {k[len("CUDAGRAPH_"):]: k for k in known}  # compared without the prefix all of them share
+        near = difflib.get_close_matches(name[len("CUDAGRAPH_"):], list(suffixes), n=1, cutoff=0.6)
+        out.append(f"{name} is set but nothing of pytest-cudagraph reads it"
+                   + (f": did you mean {suffixes[near[0]]}?" if near else
+                      f" (the variables it reads: {', '.join(sorted(set(known)))})"))
+    return out
+
+
 def resolve(config: pytest.Config) -> dict[str, Any]:
     """Each setting's value, and in ``sources`` where it came from (cli, env, ini or default)."""
     out: dict[str, Any] = {"sources": {}, "raw": {}}

@@ -452,3 +452,15 @@ def test_the_report_keeps_a_failed_call_whose_teardown_errors_too(pytester):
     res.assert_outcomes(failed=1, errors=1)
     (t,) = json.loads(report.read_text())["tests"]
     assert t["outcome"] == "failed" and t["failed_phases"] == ["call", "teardown"], t
+
+
+def test_a_misspelled_variable_is_warned_with_the_name_that_is_read(pytester, monkeypatch):
+    monkeypatch.setenv("CUDAGRAPH_SANITISE", "1")
+    monkeypatch.setenv("CUDAGRAPH_WORKER", "mpi")
+    pytester.makepyfile(test_a="def test_x(): pass")
+    res = run(pytester, "-W", "always::pytest.PytestConfigWarning")
+    res.assert_outcomes(passed=1, warnings=2)
+    res.stdout.fnmatch_lines(["*CUDAGRAPH_SANITISE is set but nothing of pytest-cudagraph reads it: did you mean "
+                              "CUDAGRAPH_SANITIZE?*",
+                              "*CUDAGRAPH_WORKER is set but nothing of pytest-cudagraph reads it: did you mean "
+                              "CUDAGRAPH_WORKER_KIND?*"], consecutive=False)

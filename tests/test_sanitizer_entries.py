@@ -287,12 +287,16 @@ def test_module_entry_refuses_a_bad_setting_with_a_message_not_a_traceback(tmp_p
     assert p.stderr.startswith("cudagraph sanitizer: ") and all(w in p.stderr for w in words), p.stderr
 
 
-def test_the_plugins_variable_given_to_the_command_is_named_and_the_command_goes_on(tmp_path):
-    """CUDAGRAPH_SANITIZE_MODE is the plugin's option: the command says it reads CUDAGRAPH_SANITIZE instead."""
+def test_the_plugins_variable_given_to_the_command_is_refused_with_the_variable_to_set(tmp_path):
+    """CUDAGRAPH_SANITIZE_MODE is the plugin's option: given alone (strict meant for this run), the command
+    stops before the program and names the variable it reads; set to on it changes nothing and is let be."""
     p = _run(["-m", "cudagraph_lifecycle.sanitizer"],
              {"CUDAGRAPH_SANITIZE_MODE": "strict", "CUDAGRAPH_SANITIZE_BACKEND": "sim"}, tmp_path)
-    assert "CUDAGRAPH_SANITIZE_MODE='strict' is the pytest plugin's option" in p.stderr, p.stderr[-2000:]
-    assert "this command reads CUDAGRAPH_SANITIZE" in p.stderr and "StalePoolError" in p.stderr  # ran, judged
+    assert p.returncode == 2 and "CUDAGRAPH_SANITIZE_MODE='strict' is the pytest plugin's option" in p.stderr
+    assert "set CUDAGRAPH_SANITIZE instead (e.g. CUDAGRAPH_SANITIZE=strict)" in p.stderr and "Traceback" not in p.stderr
+    p = _run(["-m", "cudagraph_lifecycle.sanitizer"],
+             {"CUDAGRAPH_SANITIZE_MODE": "on", "CUDAGRAPH_SANITIZE_BACKEND": "sim"}, tmp_path)
+    assert "StalePoolError" in p.stderr and "CUDAGRAPH_SANITIZE_MODE" not in p.stderr  # ran, judged
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="asks for cuda where there is none")

@@ -232,7 +232,7 @@ def caught_stale(rec: CycleRecord, be: Backend, since: int) -> None:
     what = ("the sanitizer refused it (StalePoolError)" if a.refused else
             "the allocator asserted ('use_count > 0 INTERNAL ASSERT FAILED') and the process is poisoned")
     rec.add("stale", f"a capture into stale pool {a.key[2]} on device {a.key[1]} at {a.site or '(unknown)'}, whose "
-                     f"error the engine caught (it went on without that graph): {what}."
+                     f"error the engine caught (it went on without its graphs): {what}."
                      f"{f' The pool was made by {a.owner}.' if a.owner else ''} Mint a fresh pool per engine "
                      "(cudagraph_lifecycle.LazyPool) instead of keeping its id.\n"
                      f"--- the capture began at ---\n{a.at or '(not seen)'}--- pool minted at ---\n"

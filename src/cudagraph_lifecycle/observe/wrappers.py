@@ -20,6 +20,9 @@ from ..ledger import CAPTURE_STACK_DEPTH as _DEPTH
 from ..ledger import DefaultStreamCapture, GraphEntry, Ledger, Stack, TeardownHazard
 
 TAG = "_cudagraph_ledger_entry"  # where a graph carries its ledger entry
+# read by pytest (plain Python here, nothing imported): a failure's traceback leaves this module's frames out,
+# so a refused capture, or torch's own error under a wrapper, points at the user's line
+__tracebackhide__ = True
 
 # A judge decides what a capture into a dead pool does before the allocator sees it (raise, or let it
 # through): world -> the judges registered for it, the last one rules.

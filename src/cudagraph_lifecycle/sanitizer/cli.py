@@ -45,10 +45,12 @@ def main(argv: list[str] | None = None) -> int | str | None:
               "without the command", file=sys.stderr)
         return 2
     mode_option = env.get("CUDAGRAPH_SANITIZE_MODE", "").strip()
-    if not value and mode_option:  # the plugin's option, not this command's: say which one it reads
-        print(f"cudagraph sanitizer: CUDAGRAPH_SANITIZE_MODE={mode_option!r} is the pytest plugin's option for its "
-              "engine cycles; this command reads CUDAGRAPH_SANITIZE (e.g. CUDAGRAPH_SANITIZE=strict to fail the run "
-              "on findings): running with CUDAGRAPH_SANITIZE=on", file=sys.stderr)
+    if not value and mode_option and mode_option.lower() != "on":  # the plugin's option, not this command's
+        print(f"cudagraph sanitizer: CUDAGRAPH_SANITIZE_MODE={env['CUDAGRAPH_SANITIZE_MODE']!r} is the pytest "
+              "plugin's option for its engine cycles, and this command does not read it: set CUDAGRAPH_SANITIZE "
+              f"instead (e.g. CUDAGRAPH_SANITIZE={mode_option.lower() if mode_option.lower() == 'strict' else 'on'})",
+              file=sys.stderr)
+        return 2
     env["CUDAGRAPH_SANITIZE"] = value or "on"
     try:
         checked_from_env(env)  # read by every runner the program builds: a bad value stops it here

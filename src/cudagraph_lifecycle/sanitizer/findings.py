@@ -18,9 +18,9 @@ from .stale import side_stream_fix
 
 FINDING_KINDS = ("unreleased_graph", "pinned_pool", "pool_never_retired", "expandable_teardown",
                  "default_stream_capture", "stale_capture")
-# captures the sanitizer refused that torch or the allocator would have turned into a poisoned process: a test
-# whose engine caught the error and went on passes only because the sanitizer was there, so they fail it in
-# every mode (the rest fail under strict)
+# captures the sanitizer refused that torch or the allocator would have turned into a poisoned process: an
+# engine cycle whose engine caught the error and went on passes only because the sanitizer was there, so they
+# fail it in every mode (the rest fail under strict)
 PREVENTED_KINDS = ("default_stream_capture", "stale_capture")
 
 
@@ -122,5 +122,5 @@ def collect(backend: Backend, since: int = 0, scope: str | None = None) -> list[
                 "pool_never_retired", e.pool_id, e.device, read(e.device, e.pool_id),
                 f"pool {e.pool_id}{where} has no live graph but {e.device_count} reference(s): "
                 + (held[0] if held else "a MemPool still alive, or a failed capture that kept its reference"),
-                (str(e.minted_at or ""),), e.owner, sites, tests))
+                (f"--- the pool was minted at ---\n{e.minted_at}",) if e.minted_at else (), e.owner, sites, tests))
     return out

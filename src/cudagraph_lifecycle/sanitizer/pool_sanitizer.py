@@ -31,6 +31,10 @@ from ..ledger import DefaultStreamCapture, StaleAttempt, TeardownHazard, ledger
 from .findings import Finding, collect
 from .stale import default_stream_error, hazard_error, stale_error
 
+# read by pytest (nothing imported): a failure's traceback leaves this module's frames out, so the error a
+# judge raises points at the user's capture
+__tracebackhide__ = True
+
 
 class PoolSanitizer:
     """See the module docstring.
