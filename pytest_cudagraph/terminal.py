@@ -188,4 +188,5 @@ def poison_note(exc: BaseException | None, earlier: list[str] | tuple = ()) -> s
     cause = " and ".join(causes) or (
         "by a capture on the default stream, or by the allocator's `use_count > 0` assert (a capture into a "
         "released pool), in this test or an earlier one; nothing watching saw which")
-    return f"this process's eager CUDA random ops were poisoned {cause}. Only a new process recovers. {fix}"
+    return (f"this process's eager CUDA random ops were poisoned {cause}. A new process is the sure way back (after "
+            f"torch's default-stream refusal a later capture that ends also clears it, measured on the H200). {fix}")

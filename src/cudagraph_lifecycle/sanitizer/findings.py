@@ -65,7 +65,8 @@ def collect(backend: Backend, since: int = 0, scope: str | None = None) -> list[
         if d.key[0] == world and d.seq > since and (scope is None or d.scope == scope):
             what = ("refused before torch ran it" if d.refused else
                     "torch refused it and every later eager random op of this process fails ('Offset increment "
-                    "outside graph capture'): only a new process recovers")
+                    "outside graph capture') until a later capture ends (measured on the H200; a new process is the sure "
+                    "way back)")
             out.append(Finding(
                 "default_stream_capture", d.pool_id, d.key[1], 0,
                 f"a capture began on the default stream of device {d.key[1]} at {d.site or '(unknown)'}: {what}. "
