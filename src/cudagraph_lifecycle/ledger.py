@@ -371,6 +371,12 @@ class StaleAttempt:
     site: str = ""  # file:line in function of the user's code that began the capture
     refused: bool = False
 
+    def stacks(self) -> list[str]:
+        """Where it began, where its pool was minted and released: each stack under its heading."""
+        return [f"--- {what} ---\n{text or '(not seen)'}" for what, text in (
+            ("the capture began at", self.at), ("pool minted at", self.minted_at),
+            ("its last graph was released at", self.released_at))]
+
 
 class Ledger:
     """See the module docstring. One instance per process: :data:`ledger`."""

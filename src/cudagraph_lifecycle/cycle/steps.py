@@ -29,7 +29,7 @@ from ..errors import (
     exception_chain,
 )
 from ..ledger import Key, ledger
-from ..sanitizer.pins import describe, graph_holder, mempool_holder, mempool_notes, what_pins
+from ..sanitizer.pins import describe, graph_holder, mempool_notes, what_pins
 from ..sanitizer.stale import side_stream_fix
 from ..sizes import size_text
 from ..trees import leaves
@@ -185,8 +185,7 @@ def failed(e: BaseException, rec: CycleRecord, be: Backend, since: int, step: st
             if a is not None:
                 msg += (f" -- a capture into pool {a.key[2]} on device {a.key[1]}"
                         f"{f' at {a.site}' if a.site else ''}, dead since its last graph was "
-                        f"released{f' (made by {a.owner})' if a.owner else ''}\n--- pool minted at ---\n"
-                        f"{a.minted_at or '(not seen)'}--- its last graph was released at ---\n{a.released_at or '(not seen)'}")
+                        f"released{f' (made by {a.owner})' if a.owner else ''}\n" + "".join(a.stacks()))
         rec.add("stale", msg)
         return
     hint = ""
@@ -234,9 +233,7 @@ def caught_stale(rec: CycleRecord, be: Backend, since: int) -> None:
     rec.add("stale", f"a capture into stale pool {a.key[2]} on device {a.key[1]} at {a.site or '(unknown)'}, whose "
                      f"error the engine caught (it went on without its graphs): {what}."
                      f"{f' The pool was made by {a.owner}.' if a.owner else ''} Mint a fresh pool per engine "
-                     "(cudagraph_lifecycle.LazyPool) instead of keeping its id.\n"
-                     f"--- the capture began at ---\n{a.at or '(not seen)'}--- pool minted at ---\n"
-                     f"{a.minted_at or '(not seen)'}--- its last graph was released at ---\n{a.released_at or '(not seen)'}")
+                     "(cudagraph_lifecycle.LazyPool) instead of keeping its id.\n" + "".join(a.stacks()))
 
 
 def check_held(be: Backend, caller: Caller, current: set[Key]) -> CycleRecord | None:
@@ -256,7 +253,8 @@ def check_held(be: Backend, caller: Caller, current: set[Key]) -> CycleRecord | 
         rec.held_bytes = max(0, rec.held_bytes - left)
         rec.leaked_bytes += left
         pins = what_pins(be, pools)
-        why = "; ".join(([describe(pins)] if pins else []) + mempool_notes(pools)) or "something else pins them"
+        why = "; ".join(([describe(pins)] if pins else []) + list(mempool_notes(pools).values())) or \
+            "something else pins them"
         rec.add("leaked", f"once the caller dropped this engine's output, its pools "
                           f"{[k[2] for k in pools]} still held {size_text(left)}: " + why,
                 left, _stacks(be, pools), [p.as_dict() for p in pins])
@@ -287,12 +285,12 @@ def judge(be: Backend, rec: CycleRecord, output: Any, hold: bool, declared: list
     left = {k: be.pool_state(k[2], k[1]).reserved_bytes for k in keys}
     # a pool whose MemPool object someone still holds stays whatever the caller drops (and the next engine may
     # capture into it, so it would never be judged again): leaked now, held output or not
-    by_mempool = [k for k, b in left.items() if b and mempool_holder(k) is not None] if hold else []
+    by_mempool = mempool_notes([k for k, b in left.items() if b]) if hold else {}
     if by_mempool:
         kept = sum(left.pop(k) for k in by_mempool)
         rec.leaked_bytes += kept
         rec.add("leaked", f"after release its pools {[k[2] for k in by_mempool]} still hold {size_text(kept)}: "
-                + "; ".join(mempool_notes(by_mempool)), kept, _stacks(be, by_mempool))
+                + "; ".join(by_mempool.values()), kept, _stacks(be, list(by_mempool)))
     total = sum(left.values())
     if total and hold and output is not None:
         rec.held_bytes = total  # judged again once the caller drops it (check_held)
@@ -301,7 +299,8 @@ def judge(be: Backend, rec: CycleRecord, output: Any, hold: bool, declared: list
         pinned = [k for k, b in left.items() if b]
         known = {id(t): "the copy of its output the caller keeps" for t in leaves(output)}
         pins = what_pins(be, pinned, known)
-        why = "; ".join(([describe(pins)] if pins else []) + mempool_notes(pinned)) or _leak_hint(output)
+        why = "; ".join(([describe(pins)] if pins else []) + list(mempool_notes(pinned).values())) or \
+            _leak_hint(output)
         rec.add("leaked", f"after release its pools {[k[2] for k in pinned]} still hold {size_text(total)} that no "
                           "output the caller holds pins: " + why,
                 total, _stacks(be, list(keys)), [p.as_dict() for p in pins])

@@ -77,14 +77,11 @@ def collect(backend: Backend, since: int = 0, scope: str | None = None) -> list[
             what = ("refused before the allocator saw it (StalePoolError)" if a.refused else
                     "the allocator asserted 'use_count > 0' and the process is poisoned: only a new one recovers")
             made = f" (made by {a.owner})" if a.owner else ""
-            stacks = tuple(f"--- {what_} ---\n{text}" for what_, text in (
-                ("the capture began at", a.at), ("the pool was minted at", a.minted_at),
-                ("its last graph was released at", a.released_at)) if text)
             out.append(Finding(
                 "stale_capture", a.key[2], a.key[1], 0,
                 f"a capture into pool {a.key[2]}{made} at {a.site or '(unknown)'}, after all its graphs were "
                 f"released: {what}. Mint a fresh pool per engine (cudagraph_lifecycle.LazyPool) instead of keeping "
-                "that pool's id", stacks, a.owner, (a.site,) if a.site else (), tuple(t for t in (a.test,) if t)))
+                "that pool's id", tuple(a.stacks()), a.owner, (a.site,) if a.site else (), tuple(t for t in (a.test,) if t)))
     unreleased: dict[tuple, list] = {}  # one finding per pool, engine and test, however many graphs
     for g in ledger.live_graphs(world):
         if g.seq > since and (scope is None or g.scope == scope):
@@ -118,10 +115,10 @@ def collect(backend: Backend, since: int = 0, scope: str | None = None) -> list[
                 + (describe(pins) if pins else "a tensor allocated in its captures is still alive"),
                 stacks, e.owner, sites, tests, tuple(p.as_dict() for p in pins)))
         elif e.device_count > 0 and not e.live_graphs() and e.captures:
-            held = mempool_notes([e.key])
+            held = list(mempool_notes([e.key]).values())
             out.append(Finding(
                 "pool_never_retired", e.pool_id, e.device, read(e.device, e.pool_id),
                 f"pool {e.pool_id}{where} has no live graph but {e.device_count} reference(s): "
                 + (held[0] if held else "a MemPool still alive, or a failed capture that kept its reference"),
-                (f"--- the pool was minted at ---\n{e.minted_at}",) if e.minted_at else (), e.owner, sites, tests))
+                (f"--- pool minted at ---\n{e.minted_at}",) if e.minted_at else (), e.owner, sites, tests))
     return out

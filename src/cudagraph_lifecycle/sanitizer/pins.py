@@ -21,6 +21,7 @@ import gc
 import sys
 import types
 import warnings
+import weakref
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -106,51 +107,41 @@ def what_pins(backend: Backend, keys: list[Key], known: dict[int, str] | None = 
     return sorted(pins, key=lambda p: -p.bytes)
 
 
-def graph_holder(entries: list) -> str | None:
-    """Who holds the first of these graphs (ledger entries, weak references) that Python can name: a graph
-    never reset after its engine's release is kept by someone, and that someone is the fix. None where no
-    Python object names any (a C++ holder, or all of them gone)."""
-    here = sys._getframe()
-    for entry in entries:
-        graph = entry()
-        if graph is None:
-            continue
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # deprecated module attributes warn when touched
-                named = _holder(graph, {id(here), id(here.f_back)}, depth=5)  # up to where the engine keeps it
-        finally:
-            del graph
-        if named is not None:
-            return named
-    return None
-
-
-def mempool_holder(key: Key) -> str | None:
-    """Who holds the MemPool object that made the pool ``key``, in words, while it lives (then the pool lives:
-    its segments stay reserved, even with every block free); None where no MemPool of it is alive."""
-    ref = ledger.mempools.get(key)
-    mp = ref() if ref is not None else None
-    if mp is None:
+def _held_as(ref: weakref.ref, depth: int) -> str | None:
+    """Who holds the object ``ref`` refers to, in words, or None (gone, or no Python holder). The object is
+    held only for the search, and this search's own frames are no holder."""
+    obj = ref()
+    if obj is None:
         return None
     here = sys._getframe()
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # deprecated module attributes warn when touched
-            return _holder(mp, {id(here), id(here.f_back)}, depth=4) or \
-                "a holder the garbage collector does not see (a local variable of a function still running, or C++)"
+            return _holder(obj, {id(here), id(here.f_back)}, depth)
     finally:
-        del mp
+        del obj
 
 
-def mempool_notes(keys: list[Key]) -> list[str]:
-    """For each pool whose MemPool object is alive: who holds it, and the fix."""
-    out = []
+def graph_holder(entries: list) -> str | None:
+    """Who holds the first of these graphs (ledger entries, weak references) that Python can name: a graph
+    never reset after its engine's release is kept by someone, and that someone is the fix. None where no
+    Python object names any (a C++ holder, or all of them gone)."""
+    # up to where the engine keeps it
+    return next((named for entry in entries if (named := _held_as(entry, 5)) is not None), None)
+
+
+def mempool_notes(keys: list[Key]) -> dict[Key, str]:
+    """For each pool whose MemPool object is alive (the pool lives with it: its segments stay reserved, even
+    with every block free): who holds that object, and the fix."""
+    out = {}
     for k in keys:
-        holder = mempool_holder(k)
-        if holder is not None:
-            out.append(f"pool {k[2]}'s MemPool object is alive, held as {holder}: while it lives the pool keeps "
-                       "its segments reserved; drop it at release (or give each engine a MemPool of its own)")
+        ref = ledger.mempools.get(k)
+        if ref is None or ref() is None:
+            continue
+        holder = _held_as(ref, 4) or \
+            "a holder the garbage collector does not see (a local variable of a function still running, or C++)"
+        out[k] = (f"pool {k[2]}'s MemPool object is alive, held as {holder}: while it lives the pool keeps its "
+                  "segments reserved; drop it at release (or give each engine a MemPool of its own)")
     return out
 
 
@@ -226,21 +217,6 @@ def _holder(obj: Any, ignore: set[int], depth: int = 3) -> str | None:
             return what + up
         unnamed = unnamed or what
     return unnamed
-
-
-def _running_local(obj: Any) -> str | None:
-    """A local variable of a function still running (in any thread) that is ``obj``: such a frame is no
-    referrer the collector reports. The machinery's own frames (this search's callers) are skipped."""
-    for top in list(sys._current_frames().values()):
-        f = top
-        while f is not None:
-            code = f.f_code
-            if not is_machinery(code.co_filename):
-                key = next((k for k, v in list(f.f_locals.items()) if v is obj), None)
-                if key is not None:
-                    return f"local variable `{key}` of {code.co_name} ({code.co_filename}:{f.f_lineno})"
-            f = f.f_back
-    return None
 
 
 def _attribute(owner: Any, key: str, ignore: set[int], depth: int) -> str:

@@ -41,10 +41,7 @@ def stale_error(backend: Backend, attempt: StaleAttempt) -> StalePoolError:
         + " and ".join(why)
         + ". The real capture_begin would fail with 'use_count > 0 INTERNAL ASSERT FAILED' and poison the "
         f"process.{made_by} Mint a fresh pool per engine (cudagraph_lifecycle.LazyPool) instead of keeping this "
-        "id.\n"
-        + (f"--- the capture began at ---\n{attempt.at}" if attempt.at else "")
-        + f"--- pool minted at ---\n{attempt.minted_at or '(not seen: minted before observation started)'}"
-        f"--- its last graph was released at ---\n{attempt.released_at or '(not seen)'}"
+        "id.\n" + "".join(attempt.stacks())
     )
     err.pool_id, err.device, err.owner, err.site = tuple(pool_id), device, attempt.owner, attempt.site
     return err
