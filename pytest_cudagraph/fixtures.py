@@ -26,15 +26,38 @@ def _as_written(marker: pytest.Mark) -> str:
     return f"{marker.name}({', '.join(args)})"
 
 
-def _marker_checked(check, node: pytest.Item):
-    """A marker's arguments, checked: a wrong one fails the test with its message alone (no plugin source)."""
+def _marker_checked(check, node: pytest.Item, name: str):
+    """A marker's arguments, checked: a wrong one fails the test with its message alone (no plugin source),
+    and where the marker is written (the test, its class, or its module's ``pytestmark``)."""
     from cudagraph_lifecycle.errors import ConfigError
 
     try:
         return check(node)
     except ConfigError as e:
         message = str(e)
-    pytest.fail(f"ConfigError: {message}", pytrace=False)  # outside the except: no chained traceback
+    where = marker_site(node, name)
+    pytest.fail(f"ConfigError: {message}" + (f" (written {where})" if where else ""), pytrace=False)
+
+
+def marker_site(node: pytest.Item, name: str) -> str | None:
+    """Where the marker ``name`` that ``node`` reads is written, as file:line: on the test function, on a
+    class (a class decorator or its ``pytestmark``), or in a module's ``pytestmark``."""
+    import inspect
+
+    found = next(node.iter_markers_with_node(name), None)
+    if found is None:
+        return None
+    owner = found[0]
+    path = node.location[0]
+    if isinstance(owner, pytest.Module):
+        return f"in the pytestmark of {path}"
+    obj = getattr(owner, "obj", None)
+    try:
+        line = inspect.getsourcelines(obj)[1]
+    except (OSError, TypeError):
+        return None
+    kind = "class" if isinstance(owner, pytest.Class) else "test"
+    return f"on {kind} {owner.name} at {path}:{line}"
 
 
 def budgets(node: pytest.Item) -> dict[str, Any]:
@@ -125,7 +148,7 @@ def _cudagraph_sanitize(request: pytest.FixtureRequest):
     from cudagraph_lifecycle.sanitizer import PoolSanitizer
 
     nodeid = request.node.nodeid
-    limits = _marker_checked(budgets, request.node)
+    limits = _marker_checked(budgets, request.node, "cudagraph")
     backend = get_backend(effective_backend(request.config))
     san = PoolSanitizer(backend, mode=s["sanitize"], scope=nodeid,
                         expandable_teardown=s["expandable_teardown"]).start()
@@ -263,8 +286,8 @@ def engine_sequence(request: pytest.FixtureRequest, pytestconfig: pytest.Config)
     sets the default engine count, which worker holds them (a module or session worker keeps state across
     tests), a per-test sanitizer mode, and MPI ranks.
     """
-    n, scope, sanitize, ranks = _marker_checked(engines_marker, request.node)
-    s = {**_settings(pytestconfig), "budgets": _marker_checked(budgets, request.node)}
+    n, scope, sanitize, ranks = _marker_checked(engines_marker, request.node, "cudagraph_engines")
+    s = {**_settings(pytestconfig), "budgets": _marker_checked(budgets, request.node, "cudagraph")}
     if s["worker"] == "mpi" or ranks is not None:
         if scope == "module" and ranks is None:
             holder = request.getfixturevalue("cudagraph_mpi_ranks")

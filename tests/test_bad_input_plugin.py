@@ -205,6 +205,41 @@ def test_x(engine_sequence):
     # the message alone: not the plugin's source around it, nor its own message a second time, chained
     assert "raise ConfigError" not in out and "During handling" not in out, out
     assert "def __call__" not in out, out
+    if marker:  # where the bad marker is written: the decorator's line
+        line = next(i for i, text in enumerate((pytester.path / "test_a.py").read_text().splitlines(), 1)
+                    if text.startswith("@pytest.mark"))
+        assert f"(written on test test_x at test_a.py:{line})" in out, out
+
+
+MARKED_CLASS = """import pytest
+from engines_mod import good
+
+@pytest.mark.cudagraph_engines(n=-1)
+class TestEngines:
+    def test_x(self, engine_sequence):
+        engine_sequence(good)
+"""
+MARKED_MODULE = """import pytest
+from engines_mod import good
+
+pytestmark = pytest.mark.cudagraph_engines(n=-1)
+
+def test_x(engine_sequence):
+    engine_sequence(good)
+"""
+
+
+@pytest.mark.parametrize("text, words", [
+    (MARKED_CLASS, "(written on class TestEngines at test_a.py:4)"),
+    (MARKED_MODULE, "(written in the pytestmark of test_a.py)"),
+], ids=["class", "module"])
+def test_a_bad_marker_names_the_class_or_module_it_is_written_on(pytester, text, words):
+    pytester.makepyfile(engines_mod=ENGINES)
+    pytester.makepyfile(test_a=text)
+    res = pytester.runpytest_inprocess("-p", "cudagraph")
+    assert res.ret == pytest.ExitCode.TESTS_FAILED
+    out = res.stdout.str()
+    assert "cudagraph_engines(n=-1): give a positive int" in out and words in out, out
 
 
 @pytest.mark.parametrize("factory, words", [
