@@ -48,6 +48,24 @@ def short_id(nodeid: str, width: int) -> str:
     return path.rsplit("/", 1)[-1][:width - len(tail) - len(sep) - 1] + "…" + sep + tail
 
 
+def table_names(nodeids: list[str], width: int) -> tuple[dict[str, str], list[str]]:
+    """Each test's name in a table column of ``width``, and a legend: tests whose cut names would read alike
+    get a number (``[1]``), and the legend gives their whole ids."""
+    names = {n: short_id(n, width) for n in dict.fromkeys(nodeids)}
+    seen: dict[str, list[str]] = {}
+    for n, cut in names.items():
+        seen.setdefault(cut, []).append(n)
+    legend = []
+    for same in seen.values():
+        if len(same) < 2:
+            continue
+        for n in same:
+            tag = f" [{len(legend) + 1}]"
+            names[n] = short_id(n, width - len(tag)) + tag
+            legend.append(f"{tag.strip()} {n}")
+    return names, legend
+
+
 def lifecycle_section(tr: Any, state: dict, backend: str | None) -> None:
     cycles = rows(state)
     if not cycles:
@@ -56,9 +74,10 @@ def lifecycle_section(tr: Any, state: dict, backend: str | None) -> None:
     tr.write_line(f"{'test':<44} {'#':>2} {'pid/rank':>9} {'pools':>9} {'graphs':>6} {'capture ms':>10} "
                   f"{'pool':>7} {'held':>7} {'leaked':>7} {'growth':>7} verdict")
     cold = False
+    names, legend = table_names([nodeid for nodeid, _ in cycles], 44)
     for nodeid, c in cycles:
         pools = ",".join(f"{p[1][0]}:{p[1][1]}" for p in c.get("pool_ids") or []) or "-"
-        name = short_id(nodeid, 44)
+        name = names[nodeid]
         verdict = c.get("verdict", "?") + (" FAILED" if c.get("failed") else "")
         ms = f"{c.get('capture_ms', 0.0):.1f}" + ("*" if c.get("cold") else " ")  # the digits stay aligned
         cold = cold or bool(c.get("cold"))
@@ -78,6 +97,8 @@ def lifecycle_section(tr: Any, state: dict, backend: str | None) -> None:
         for p in c.get("problems") or []:
             first = p["message"].strip().splitlines()[0] if p["message"].strip() else p["kind"]
             tr.write_line(f"{'':<48}! {p['kind']}: {first}")
+    for line in legend:  # tests whose cut names read alike
+        tr.write_line(line)
     if cold:
         tr.write_line("* the first capture in its worker process: it includes that process's first use of torch "
                       "(kernels, allocator segments, lazy imports); compare the engines after it")

@@ -435,6 +435,20 @@ def test_a_long_test_id_in_the_lifecycle_table_keeps_its_files_name():
     assert len(cut) == 44 and cut.startswith("…") and cut.endswith("cut_here_x") and cut.count("…") == 1
 
 
+def test_tests_whose_cut_names_read_alike_are_numbered_with_a_legend():
+    from pytest_cudagraph.terminal import table_names
+
+    tail = "_builds_three_engines_and_checks_every_pool"
+    ids = [f"pkg_a/test_engines.py::test_x{tail}", f"pkg_b/test_engines.py::test_x{tail}",
+           "t.py::test_short", f"pkg_a/test_engines.py::test_x{tail}"]
+    names, legend = table_names(ids, 44)
+    a, b = names[ids[0]], names[ids[1]]
+    assert a != b and a.endswith(" [1]") and b.endswith(" [2]") and len(a) <= 44, names
+    assert names["t.py::test_short"] == "t.py::test_short"
+    assert legend == [f"[1] {ids[0]}", f"[2] {ids[1]}"]
+    assert table_names(ids[2:3], 44) == ({"t.py::test_short": "t.py::test_short"}, [])
+
+
 def test_the_report_keeps_a_failed_call_whose_teardown_errors_too(pytester):
     pytester.makepyfile(test_a='''
         import pytest
