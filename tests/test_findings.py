@@ -676,6 +676,10 @@ def test_a_stale_capture_the_engine_caught_is_still_stale(cudagraph_worker, sani
     (p,) = [p for p in last["problems"] if p["kind"] == "stale"]
     assert "whose error the engine caught" in p["message"] and "test_findings.py" in p["message"]
     assert ("sanitizer refused it" in p["message"]) is sanitized and "[engine 0]" in p["message"]
+    # refused, the process is fine, so what pins the pool is named, as in the error the engine caught
+    pinned = "the pool is pinned: 512 bytes pinned by a tensor (8,) float32 held as the previous engine's output, " \
+        "which the caller holds"
+    assert (pinned in p["message"]) is sanitized, p["message"]
 
 
 class MemPoolOnTheClass(KeptHandleEngine):

@@ -53,6 +53,7 @@ def test_a_stale_capture_the_engine_caught_is_still_stale(cudagraph_worker, sani
     assert r["refused"] is sanitized, r["errors"]
     if sanitized:  # what pins the pool is named, and the attempt is a finding with its line
         assert "held as the previous engine's output, which the caller holds" in r["errors"][0], r["errors"]
+        assert "the pool is pinned: " in r["message"] and "the previous engine's output" in r["message"], r
         assert [k for k, _ in r["findings"]] == ["stale_capture"] and "engines.py" in r["findings"][0][1][0], r
     else:
         assert "use_count > 0" in r["errors"][0], r["errors"]

@@ -30,7 +30,7 @@ from ..errors import (
 )
 from ..ledger import Key, ledger
 from ..sanitizer.pins import describe, graph_holder, mempool_notes, what_pins
-from ..sanitizer.stale import side_stream_fix
+from ..sanitizer.stale import pinned_by, side_stream_fix
 from ..sizes import size_text
 from ..trees import leaves
 from .caller import Caller, caller_copy
@@ -230,6 +230,11 @@ def caught_stale(rec: CycleRecord, be: Backend, since: int) -> None:
         rec.poisoned = True
     what = ("the sanitizer refused it (StalePoolError)" if a.refused else
             "the allocator asserted ('use_count > 0 INTERNAL ASSERT FAILED') and the process is poisoned")
+    if a.refused:  # the process is fine: ask what keeps the dead pool alive, as the error the engine caught did
+        st = be.pool_state(a.key[2], a.key[1])
+        if st.allocated_bytes:
+            what += f"; the pool is pinned: {pinned_by(be, a)}"
+        what += "".join(f"; {note}" for note in mempool_notes([a.key]).values())
     rec.add("stale", f"a capture into stale pool {a.key[2]} on device {a.key[1]} at {a.site or '(unknown)'}, whose "
                      f"error the engine caught (it went on without its graphs): {what}."
                      f"{f' The pool was made by {a.owner}.' if a.owner else ''} Mint a fresh pool per engine "

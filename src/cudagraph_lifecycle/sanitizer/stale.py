@@ -29,7 +29,7 @@ def stale_error(backend: Backend, attempt: StaleAttempt) -> StalePoolError:
         st = backend.pool_state(pool_id, device)
         why.append(
             f"the device allocator still holds it ({size_text(st.reserved_bytes)} in {st.segments} segment(s)"
-            + (f": {_pinned_by(backend, attempt)})" if st.allocated_bytes else
+            + (f": {pinned_by(backend, attempt)})" if st.allocated_bytes else
                ": a live tensor from its captures pins it)" if st.reserved_bytes else "; empty_cache has not run)")
         )
     if attempt.host_dead:
@@ -47,8 +47,9 @@ def stale_error(backend: Backend, attempt: StaleAttempt) -> StalePoolError:
     return err
 
 
-def _pinned_by(backend: Backend, attempt: StaleAttempt) -> str:
-    """Who holds the live blocks of the dead pool (asked only here, on the way to raising)."""
+def pinned_by(backend: Backend, attempt: StaleAttempt) -> str:
+    """Who holds the live blocks of the dead pool, in words (asked on the way to raising, and for a refused
+    capture the engine caught)."""
     from .pins import describe, what_pins
 
     try:
