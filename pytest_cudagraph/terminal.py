@@ -12,7 +12,7 @@ from cudagraph_lifecycle.errors import (
     TORCH_RANDOM_POISONED,
     exception_chain,
 )
-from cudagraph_lifecycle.ledger import ledger  # plain Python: no torch
+from cudagraph_lifecycle.ledger import innermost_user_frames, ledger  # plain Python: no torch
 
 from .report import VERDICTS, findings, rows, totals
 
@@ -134,7 +134,7 @@ def findings_section(tr: Any, state: dict) -> None:
             lines = stack.rstrip().splitlines()
             if lines and lines[0].startswith("--- "):  # a labelled stack (which of a finding's several it is)
                 tr.write_line(f"    {lines.pop(0)}")
-            for line in lines[-4:]:  # the innermost frames; the JSON keeps the whole stack
+            for line in innermost_user_frames("\n".join(lines), 3):  # the JSON keeps the whole stack
                 tr.write_line(f"      {line}")
     strict, by = state.get("strict_findings", 0), state.get("strict_by")
     if by == "--cudagraph-sanitize=strict":  # the tests' own failed their tests already

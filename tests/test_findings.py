@@ -1021,3 +1021,63 @@ def test_an_engine_using_cuda_itself_on_a_cpu_run_says_how_to_skip_it(cudagraph_
     (p,) = rec["problems"]
     assert rec["verdict"] == "error" and "during build" in p["message"]
     assert "this run has no GPU (backend sim): mark its test @pytest.mark.gpu" in p["message"]
+
+
+THROUGH_A_CONTEXT_MANAGER = """
+import contextlib
+
+import pytest
+from cudagraph_lifecycle import get_backend
+
+KEPT = []
+
+
+@contextlib.contextmanager
+def captured(be, g, pool):
+    with be.graph(g, pool=pool, stream=be.capture_stream(0)):
+        yield
+
+
+@pytest.mark.cudagraph
+def test_an_output_kept_in_a_global():
+    be = get_backend("sim")
+    x = be.randn(16, device=0)
+    g = be.new_graph()
+    with captured(be, g, be.graph_pool_handle()):
+        KEPT.append(x * 2)
+    g.reset()
+    be.empty_cache()
+"""
+
+
+def test_a_findings_stack_shows_the_users_frames_not_contextlibs(pytester):
+    """A capture made through a contextlib.contextmanager helper: the sanitizer section shows the helper's line
+    and the test's, not contextlib's nor torch's frames between them."""
+    pytester.makepyfile(test_cm=THROUGH_A_CONTEXT_MANAGER)
+    res = pytester.runpytest_subprocess("-p", "cudagraph", "-p", "no:cacheprovider", "--cudagraph-backend=sim")
+    out = res.stdout.str()
+    section = out[out.index("cudagraph sanitizer"):]
+    assert "pinned_pool" in section and "in captured" in section and "in test_an_output_kept_in_a_global" in section, out
+    assert "contextlib.py" not in section, section
+    # without allocation history, the pool's first capture stack, outermost first, to the test's line
+    res.stdout.fnmatch_lines(["*--- the pool's first capture began at ---", "*test_cm.py*line 20*",
+                              "*with captured(be, g, be.graph_pool_handle()):", "*test_cm.py*line 11, in captured",
+                              "*with be.graph(g, pool=pool, stream=be.capture_stream(0)):"])
+
+
+def test_the_innermost_user_frames_leave_out_torch_and_the_standard_library():
+    import contextlib as cl
+
+    from cudagraph_lifecycle.ledger import innermost_user_frames
+
+    def frame(path, line, fn):
+        return f'  File "{path}", line {line}, in {fn}\n    code_{fn}()\n'
+
+    text = (frame("/app/test_x.py", 3, "test_x") + frame(cl.__file__, 137, "__enter__")
+            + frame("/app/engine.py", 9, "captured") + frame(torch.cuda.graphs.__file__, 200, "__enter__"))
+    kept = innermost_user_frames(text, 3)
+    assert kept == ['  File "/app/test_x.py", line 3, in test_x', "    code_test_x()",
+                    '  File "/app/engine.py", line 9, in captured', "    code_captured()"]
+    assert innermost_user_frames(text, 1) == kept[2:]
+    only_torch = frame(torch.cuda.graphs.__file__, 200, "__enter__")
+    assert innermost_user_frames(only_torch, 3) == only_torch.rstrip().splitlines()  # all where none is the user's

@@ -177,14 +177,37 @@ class Stack:
 
 def _library_dirs() -> tuple[str, ...]:
     """Where torch and the standard library live: frames there are the library's, not the user's. Read when
-    a site is shown (never at capture), from modules already imported."""
+    a site is shown (never at capture); torch is found without importing it (the pytest process shows the
+    stacks its workers took, and may never import torch)."""
     import sysconfig
 
     dirs = [sysconfig.get_paths()["stdlib"] + os.sep]
     torch = sys.modules.get("torch")
     if torch is not None and getattr(torch, "__file__", None):
         dirs.append(os.path.dirname(torch.__file__) + os.sep)
+    else:
+        try:
+            spec = importlib.util.find_spec("torch")
+        except (ImportError, ValueError):
+            spec = None
+        dirs += [os.path.abspath(d) + os.sep for d in (spec.submodule_search_locations or [])] if spec else []
     return tuple(dirs)
+
+
+def innermost_user_frames(text: str, n: int) -> list[str]:
+    """The lines of the innermost ``n`` frames of a stack formatted as :class:`Stack` shows it that are the
+    user's code, not torch's nor the standard library's (``torch.cuda.graph``'s ``__enter__``, a
+    ``contextlib`` wrapper); the innermost ``n`` frames where none is the user's."""
+    frames: list[list[str]] = []
+    for line in text.rstrip().splitlines():
+        if line.startswith('  File "'):
+            frames.append([line])
+        elif frames:
+            frames[-1].append(line)
+    libraries = _library_dirs()
+    user = [f for f in frames if not os.path.abspath(f[0][len('  File "'):].partition('", line ')[0])
+            .startswith(libraries)]
+    return [line for f in (user or frames)[-n:] for line in f]
 
 
 def sites_of(stacks: list[list]) -> list[str]:

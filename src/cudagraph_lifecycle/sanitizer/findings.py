@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..backends import Backend, PoolId
-from ..ledger import SITES, ledger
+from ..ledger import SITES, Stack, ledger
 from ..sizes import size_text
 from .stale import side_stream_fix
 
@@ -108,6 +108,8 @@ def collect(backend: Backend, since: int = 0, scope: str | None = None) -> list[
             if not st.allocated_bytes:  # free segments alone go at empty_cache
                 continue
             stacks = tuple(b.stack for b in backend.live_blocks(e.pool_id, e.device) if b.stack)
+            if not stacks and e.sites:  # no allocation history: the first capture's stack, to the caller's line
+                stacks = (f"--- the pool's first capture began at ---\n{Stack(e.sites[0])}",)
             pins = what_pins(backend, [e.key])
             out.append(Finding(
                 "pinned_pool", e.pool_id, e.device, st.reserved_bytes,
