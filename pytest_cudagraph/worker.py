@@ -286,6 +286,7 @@ def _child_main(conn, stderr_path: str, sys_path: list[str], env: dict[str, str]
         torch.set_num_threads(1)
     os.environ.update(env)
     os.environ["CUDAGRAPH_IN_WORKER"] = "1"
+    _drop_inherited_log_capture()
     if os.environ.get("CUDAGRAPH_SANITIZE"):
         from cudagraph_lifecycle.sanitizer import install_from_env
 
@@ -318,6 +319,22 @@ def _child_main(conn, stderr_path: str, sys_path: list[str], env: dict[str, str]
             reply = dumps(("err", poisoned_since(seq), type(e).__qualname__, str(e), shown_traceback(e)))
             del e
         _send_message(reader.fd, reply)
+
+
+def _drop_inherited_log_capture() -> None:
+    """A forked child inherits pytest's log-capture handlers, which would keep every record the child logs: an
+    engine that logs a caught exception would keep its traceback, its frames and the tensors their locals hold,
+    and its pools would read as pinned by those locals. The child's records go to its stderr instead (Python's
+    last-resort handler: warnings and errors), which a crash report quotes."""
+    logging = sys.modules.get("logging")
+    if logging is None:
+        return
+    loggers = [logging.getLogger(), *(lg for lg in list(logging.Logger.manager.loggerDict.values())
+                                      if isinstance(lg, logging.Logger))]
+    for lg in loggers:
+        for h in list(lg.handlers):
+            if type(h).__module__.startswith("_pytest."):
+                lg.removeHandler(h)
 
 
 def ledger_seq() -> int:

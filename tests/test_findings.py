@@ -1081,3 +1081,44 @@ def test_the_innermost_user_frames_leave_out_torch_and_the_standard_library():
     assert innermost_user_frames(text, 1) == kept[2:]
     only_torch = frame(torch.cuda.graphs.__file__, 200, "__enter__")
     assert innermost_user_frames(only_torch, 3) == only_torch.rstrip().splitlines()  # all where none is the user's
+
+
+class LoggingEngine(KeptHandleEngine):
+    """A capture whose error the engine logs with its traceback and then runs eagerly: a log record that
+    kept the traceback would keep the frame's locals, a tensor of the pool among them."""
+
+    def capture(self):
+        import logging
+
+        be = self.be
+        g = be.new_graph()
+        try:
+            with be.stream(be.capture_stream(0)):
+                g.capture_begin(pool=be.graph_pool_handle())
+                try:
+                    y = self.w * 2  # noqa: F841 (a local of this frame, in the pool)
+                    raise RuntimeError("an op the engine cannot capture")
+                finally:
+                    g.capture_end()
+        except RuntimeError:
+            logging.getLogger("an_engine").exception("capture failed; running eagerly")
+        self.g = None
+
+
+def _logging_engine_cycles():
+    import logging
+
+    from cudagraph_lifecycle.cycle import run_cycle
+
+    be = SimBackend()
+    handlers = [type(h).__module__ for lg in [logging.getLogger()] for h in lg.handlers]
+    return handlers, run_cycle(LoggingEngine, be, 0, test="t", output="drop")
+
+
+def test_a_worker_keeps_no_log_record_of_an_engines_caught_error(cudagraph_worker):
+    """pytest's log-capture handlers, inherited by a forked worker, kept every record: the traceback of an
+    engine's logged error kept its frame's tensors, and the pool read as pinned by a local variable."""
+    handlers, (rec,) = cudagraph_worker.call(_logging_engine_cycles)
+    assert not [m for m in handlers if m.startswith("_pytest.")], handlers
+    assert rec["verdict"] == "fresh", rec
+    assert not [p for p in rec["problems"] if "local variable" in p["message"]], rec["problems"]
