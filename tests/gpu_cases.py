@@ -526,3 +526,55 @@ def graphed_with_backward(backend):
 
 def graphed_with_backward_warmed(backend):
     return GraphedWithBackward(backend, warm=True)
+
+
+class HostSyncEngine:
+    """Branches on a tensor's value inside its capture (a host sync: `.item()`), catches the capture's error and
+    runs eagerly, as servers do. Its own pool per engine: only the failed capture."""
+
+    def __init__(self, be):
+        self.be, self.captured = be, False
+        self.w = torch.randn(64, 64, device=be.torch_device(0)) / 8
+        self.x = torch.zeros(8, 64, device=be.torch_device(0))
+
+    def forward(self, x):
+        y = torch.relu(x @ self.w)
+        if y.max().item() > 1e6:  # a host sync: a capture cannot hold it
+            y = y.clamp(max=1e6)
+        return y
+
+    def capture(self):
+        be = self.be
+        s = be.capture_stream(0)
+        with be.stream(s):
+            self.forward(self.x)  # warm-up, eagerly
+        g = be.new_graph()
+        try:
+            with be.graph(g, pool=be.graph_pool_handle(), stream=s):
+                self.y = self.forward(self.x)
+            self.g, self.captured = g, True
+        except RuntimeError:
+            self.g = None  # falls back to eager
+
+    def run(self, x):
+        return self.forward(x)
+
+    def eager(self, x):
+        return self.forward(x)
+
+    def example_input(self):
+        return self.x[:3] + 1
+
+    def release(self):
+        self.g = None
+
+
+def host_sync_engine_that_catches(backend="cuda"):
+    """A capture broken by a host sync whose error the engine caught: the cycle says so (error, poisoned: the
+    pool's references are never given back, the RNG's capture is left open), with the line that began it."""
+    from cudagraph_lifecycle.cycle import run_cycle
+
+    _without_worker_sanitizer()
+    (rec,) = run_cycle(HostSyncEngine, backend, 0)
+    return {"verdict": rec["verdict"], "poisoned": rec["poisoned"],
+            "message": rec["problems"][0]["message"] if rec["problems"] else ""}

@@ -1122,3 +1122,19 @@ def test_a_worker_keeps_no_log_record_of_an_engines_caught_error(cudagraph_worke
     assert not [m for m in handlers if m.startswith("_pytest.")], handlers
     assert rec["verdict"] == "fresh", rec
     assert not [p for p in rec["problems"] if "local variable" in p["message"]], rec["problems"]
+
+
+def test_a_capture_a_host_sync_broke_whose_error_the_engine_caught_is_an_error(cudagraph_worker):
+    """The engine branches on a tensor's value inside its capture, catches the capture's error and runs
+    eagerly: the cycle is an error (the pool's references are never given back, the RNG is poisoned: the
+    worker is replaced), naming the line that began the capture and the fix. It read `leaked`, with "something
+    else pins them"."""
+    from gpu_cases import host_sync_engine_that_catches
+
+    r = cudagraph_worker.call(host_sync_engine_that_catches, "sim")
+    cudagraph_worker.restart_before_next_call()
+    assert r["verdict"] == "error" and r["poisoned"], r
+    text = r["message"]
+    assert text.startswith("the engine caught the error and went on without that graph (eagerly): a capture into "
+                           "pool (0, 1) began at ") and "gpu_cases.py" in text and "in capture" in text, text
+    assert "failed when it ended" in text and "Move what broke the capture out of the captured code" in text

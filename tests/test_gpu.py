@@ -59,6 +59,15 @@ def test_a_stale_capture_the_engine_caught_is_still_stale(cudagraph_worker, sani
         assert "use_count > 0" in r["errors"][0], r["errors"]
 
 
+def test_a_capture_a_host_sync_broke_whose_error_the_engine_caught_is_an_error(cudagraph_worker):
+    r = cudagraph_worker.call(gpu_cases.host_sync_engine_that_catches)
+    cudagraph_worker.restart_before_next_call()
+    assert r["verdict"] == "error" and r["poisoned"], r
+    assert "the engine caught the error and went on without that graph" in r["message"], r
+    assert "gpu_cases.py" in r["message"] and "failed when it ended" in r["message"], r
+    print(r["message"].splitlines()[0])  # what torch raised, and where the captured code broke, if it did
+
+
 def test_a_capture_on_the_default_stream_is_refused_before_torch_poisons_random_ops(cudagraph_worker):
     r = cudagraph_worker.call(gpu_cases.default_stream_capture, True)
     if not r.get("ours"):

@@ -194,6 +194,18 @@ def _library_dirs() -> tuple[str, ...]:
     return tuple(dirs)
 
 
+def raised_at(exc: BaseException) -> str:
+    """``file:line in function: Type: message`` of the innermost frame of the user's code in ``exc``'s
+    traceback (not ours, torch's or the standard library's); "" where there is none."""
+    libraries = _library_dirs()
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if not _machinery(f.filename) and not os.path.abspath(f.filename).startswith(libraries)]
+    if not frames:
+        return ""
+    f, first = frames[-1], (str(exc).strip().splitlines() or [""])[0]
+    return f"{f.filename}:{f.lineno} in {f.name}: {type(exc).__name__}: {first}"
+
+
 def innermost_user_frames(text: str, n: int) -> list[str]:
     """The lines of the innermost ``n`` frames of a stack formatted as :class:`Stack` shows it that are the
     user's code, not torch's nor the standard library's (``torch.cuda.graph``'s ``__enter__``, a
@@ -361,6 +373,22 @@ class TeardownHazard:
 
 
 @dataclass(frozen=True)
+class FailedCapture:
+    """A capture whose end raised (a host sync such as ``.item()`` inside it invalidated it): torch gives back
+    none of its pool's references, neither at reset nor when the graph goes, and leaves the CUDA RNG's
+    capture open, so eager random ops fail until a later capture ends (measured on the H200)."""
+
+    key: Key
+    scope: str | None
+    seq: int
+    test: str | None
+    at: str  # the capture's stack, as shown
+    site: str  # file:line in function of the user's code that began the capture
+    error: str  # the first line of what capture_end raised
+    broken_at: str = ""  # where the user's code raised inside the capture, where an error did: the cause
+
+
+@dataclass(frozen=True)
 class DefaultStreamCapture:
     """A capture begun on its device's default stream. torch refuses it, but only after opening the CUDA RNG's
     capture, which it leaves open: every later eager random op of the process fails (measured on the H200).
@@ -424,6 +452,7 @@ class Ledger:
         self.unreplayed_by_scope: dict[str, int] = {}  # the scope's graphs that went without one replay
         self.hazards: deque[TeardownHazard] = deque(maxlen=256)
         self.default_stream: deque[DefaultStreamCapture] = deque(maxlen=256)
+        self.failed_captures: deque[FailedCapture] = deque(maxlen=256)
         # pool -> a weak reference to the MemPool object that made it: while it lives, the pool does (a leak
         # whose blocks are all free is that object's holder's, and a finding names it)
         self.mempools: dict[Key, weakref.ref] = {}
@@ -457,7 +486,8 @@ class Ledger:
             container.clear()
         self.retired.clear()
         for counts in (self.captures_by_scope, self.replays_by_scope, self.unreplayed_by_scope, self.hazards,
-                       self.default_stream, self.peak_bytes, self.unsettled, self.flushes, self.unflushed):
+                       self.default_stream, self.failed_captures, self.peak_bytes, self.unsettled, self.flushes,
+                       self.unflushed):
             counts.clear()
         self.scope = self.test = None
         self.generation += 1
@@ -490,7 +520,7 @@ class Ledger:
                 del self.graphs[gid]
             for key in [k for k in self.minted if k[0] == world]:
                 del self.minted[key]
-            for events in (self.default_stream, self.stale):  # (cleared in place: wrappers hold them)
+            for events in (self.default_stream, self.stale, self.failed_captures):  # (cleared in place)
                 others = [d for d in events if d.key[0] != world]
                 events.clear()
                 events.extend(others)
@@ -730,6 +760,11 @@ class Ledger:
         container of worlds, if given), oldest first: each left the process's random ops poisoned."""
         return [d for d in list(self.default_stream)
                 if not d.refused and d.seq > since and (worlds is None or d.key[0] in worlds)]
+
+    def failed_captures_since(self, since: int = 0, worlds: Any = None) -> list[FailedCapture]:
+        """Captures whose end raised after sequence ``since`` (in ``worlds``, if given), oldest first."""
+        with self.lock:
+            return [f for f in self.failed_captures if f.seq > since and (worlds is None or f.key[0] in worlds)]
 
     def allocator_asserts(self, since: int = 0, worlds: Any = None) -> list[StaleAttempt]:
         """Captures into dead pools no judge refused after sequence ``since`` (in ``worlds``, if given), oldest

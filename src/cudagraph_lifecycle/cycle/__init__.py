@@ -28,6 +28,7 @@ from .steps import (
     check_held,
     exercise,
     failed,
+    failed_capture,
     judge,
     refused_on_default_stream,
     settle,
@@ -102,6 +103,7 @@ def run_cycle(
             failed(e, rec, be, since, "capture" if engine is not None else "build")
         refused_on_default_stream(rec, be, since)
         caught_stale(rec, be, since)
+        failed_capture(rec, be, since)
         if rec.poisoned:  # nothing more can run on this allocator: the worker is replaced
             return [r.as_dict() for r in done] + [rec.as_dict()]
         previous = check_held(be, caller, set(ledger.pools_of_scope(be.world, label)))
@@ -117,6 +119,7 @@ def run_cycle(
                 failed(e, rec, be, since, "run")
             refused_on_default_stream(rec, be, since)
             caught_stale(rec, be, since)
+            failed_capture(rec, be, since)
             rec.pool_bytes = sum(be.pool_state(k[2], k[1]).reserved_bytes
                                  for k in ledger.pools_of_scope(be.world, label))
         if engine is not None and not rec.poisoned:

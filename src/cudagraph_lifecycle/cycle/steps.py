@@ -162,6 +162,9 @@ def failed(e: BaseException, rec: CycleRecord, be: Backend, since: int, step: st
     if kind is not None:
         rec.add(kind, f"{type(e).__name__}: {e}")
         return
+    if ledger.failed_captures_since(since, (be.world,)):  # a capture's end raised, and so did the step
+        failed_capture(rec, be, since, f"{type(e).__name__} during {step}: {first}")
+        return
     refused = not any(isinstance(x, DefaultStreamCaptureError) for x in chain) and \
         any(TORCH_DEFAULT_STREAM_REFUSAL in str(x) for x in chain)
     if refused:
@@ -213,6 +216,29 @@ def refused_on_default_stream(rec: CycleRecord, be: Backend, since: int) -> None
         rec.poisoned = True
         rec.add("error", f"a capture on the default stream at {seen[-1].site or '(unknown)'}, whose error the engine "
                 f"caught: {_poisoned_by_refusal(be)}")
+
+
+def failed_capture(rec: CycleRecord, be: Backend, since: int, raised: str | None = None) -> None:
+    """A capture of this cycle whose end raised (``raised``: the step's error, where the engine let it out;
+    None: the engine caught it and went on, eagerly). torch keeps that pool's references for good and leaves
+    the RNG's capture open: the process is poisoned, the worker replaced."""
+    if raised is None and any(p.kind in ("error", "stale") for p in rec.problems):
+        return
+    seen = ledger.failed_captures_since(since, (be.world,))
+    if not seen:
+        return
+    f = seen[-1]
+    rec.poisoned = True
+    if [f.key[1], list(f.key[2])] not in rec.pool_ids:
+        rec.pool_ids.append([f.key[1], list(f.key[2])])
+    how = f"{raised}: " if raised else "the engine caught the error and went on without that graph (eagerly): "
+    rec.add("error", f"{how}a capture into pool {f.key[2]} began at {f.site or '(unknown)'} and failed when it "
+                     f"ended ({f.error}){f'; inside it {f.broken_at}' if f.broken_at else ''}. torch gives back none of a failed capture's pool references (the pool "
+                     "stays reserved for the process's life) and leaves the CUDA RNG's capture open (eager random "
+                     "ops fail until a later capture ends): the worker is replaced. Move what broke the capture out "
+                     "of the captured code: a host sync (.item(), .cpu(), .tolist(), a print of a tensor, a branch "
+                     "on a tensor's value) or an op that cannot be captured."
+                     + (f"\n--- the capture began at ---\n{f.at}" if f.at else ""))
 
 
 def caught_stale(rec: CycleRecord, be: Backend, since: int) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 from ..backends.base import Backend, GraphAPI
 from ..errors import TORCH_DEFAULT_STREAM_REFUSAL
 from ..ledger import CAPTURE_STACK_DEPTH as _DEPTH
-from ..ledger import DefaultStreamCapture, GraphEntry, Ledger, Stack, TeardownHazard
+from ..ledger import DefaultStreamCapture, FailedCapture, GraphEntry, Ledger, Stack, TeardownHazard, raised_at
 
 TAG = "_cudagraph_ledger_entry"  # where a graph carries its ledger entry
 # read by pytest (plain Python here, nothing imported): a failure's traceback leaves this module's frames out,
@@ -102,6 +102,26 @@ class Hooks:
             rules[-1](event)
             with led.lock:  # a judge that let it through: torch decides, and its refusal is recorded then
                 led.default_stream.remove(event)
+
+    def capture_failed(self, graph: Any, e: BaseException) -> None:
+        """A capture whose end raised: recorded (an engine that catches the error and runs eagerly has leaked
+        the pool's references and left the RNG's capture open). Never raises: torch's error is what the caller
+        must see."""
+        try:
+            g = self.entry_of(graph)
+            if g is None:
+                return
+            led = self.ledger
+            where = Stack(g.frames)
+            pool = g.pool_id if g.pool_id is not None else tuple(graph.pool())
+            cause = e.__cause__ or e.__context__  # what the captured code raised first, where it raised
+            event = FailedCapture((g.world, g.device, pool), g.scope, led.next_seq(), g.test, str(where),
+                                  where.site(), (str(e).strip().splitlines() or [type(e).__name__])[0],
+                                  raised_at(cause) if cause is not None else "")
+            with led.lock:
+                led.failed_captures.append(event)
+        except Exception:
+            pass
 
     def register(self, g: GraphEntry, old: GraphEntry | None) -> None:
         """Count a capture the capture path only queued (applied at the ledger's next operation, under its lock,
@@ -272,7 +292,11 @@ def capture_end(api: GraphAPI, hooks: Hooks, original):
 
     @functools.wraps(original)
     def wrapper(graph, *args, **kwargs):
-        original(graph, *args, **kwargs)  # on failure the graph keeps its references through reset
+        try:
+            original(graph, *args, **kwargs)  # on failure the graph keeps its references through reset
+        except Exception as e:
+            hooks.capture_failed(graph, e)
+            raise
         g = getattr(graph, TAG, None)
         if type(g) is not GraphEntry:
             g = hooks.entry_of(graph)
