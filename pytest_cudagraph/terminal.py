@@ -127,7 +127,8 @@ def findings_section(tr: Any, state: dict) -> None:
         tr.write_line(f"    {f['message']}")
         tried = {"default_stream_capture": "began", "stale_capture": "tried"}.get(f["kind"], "captured")
         for site in f.get("sites") or []:
-            tr.write_line(f"    {tried} at {site}")
+            if site not in f["message"]:  # the message may name it already
+                tr.write_line(f"    {tried} at {site}")
         for other in (f.get("tests") or [])[1:]:
             tr.write_line(f"    also captured into by {other}")
         for stack in f.get("stacks") or []:

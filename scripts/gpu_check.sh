@@ -99,6 +99,9 @@ step "bench worker" python3 bench/bench_worker.py --backend cuda --engines 3 --j
 step "examples on 2 MPI ranks sharing the GPU" $PT examples/test_mpi_lifecycle.py --cudagraph-require-mpi \
   --cudagraph-report="$R/examples-mpi.json"
 step "bench mpi" python3 bench/bench_mpi.py --backend cuda --ranks 2 --engines 3 --json "$R/bench-mpi.json"
+# last, on the time left: the torch.cuda.graph capture path's work in Python and compiled, side by side
+step "probe: the capture path in Python and compiled" python3 scripts/probe_capture_path.py --backend cuda \
+  --rounds 300 --compiled --sides sanitizer,weak_reference_alone,lean,py_minimal,compiled --json "$R/probe-capture-path.json"
 [ ${#BESIDE_PIDS[@]} = 0 ] || wait "${BESIDE_PIDS[@]}"  # (a bare wait would also wait for the log's tee)
 for n in "${!BESIDE[@]}"; do
   echo; echo "=== ${BESIDE[$n]} (beside the GPU steps)"; cat "$R/beside-$n.log"

@@ -9,7 +9,11 @@ sanitizer's); each takes out or moves one part:
 - ``context_cell``: scope, test and generation read from one closure tuple, not three ledger attributes, and no
   ``ledger.seq`` write (what a ledger context object would give);
 - ``lean``: all of the above, and no read of a previous entry on the graph;
-- ``weak_reference_alone``: no sanitizer; a wrapper that sets one weak reference (the floor).
+- ``weak_reference_alone``: no sanitizer; a wrapper that sets one weak reference (the floor);
+- ``py_minimal`` and ``compiled`` (with ``--compiled``): the common path's work alone (the process backend,
+  the default-stream judgment, the original, the stack, a weak reference with a callback and a record tagged
+  on the graph and queued, not counted in the ledger), in Python and compiled from
+  ``scripts/probe_compiled_wrapper.c`` with the machine's C compiler: what compiling the path would save.
 
     python3 scripts/probe_capture_path.py [--rounds N] [--json PATH]
 """
@@ -29,6 +33,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from bench.bench_wrapper_cost import segment_round  # noqa: E402
 from bench.common import emit  # noqa: E402
 from cudagraph_lifecycle import PoolSanitizer, get_backend, observe  # noqa: E402
+from cudagraph_lifecycle.backends import graph_apis  # noqa: E402
 from cudagraph_lifecycle.ledger import CAPTURE_STACK_DEPTH, GraphEntry  # noqa: E402
 from cudagraph_lifecycle.observe.wrappers import TAG  # noqa: E402
 
@@ -96,12 +101,81 @@ def variant(original, proc, current_device, device0=False, inline=False, ctx_cel
     return wrapper
 
 
+def compiled_module():
+    """scripts/probe_compiled_wrapper.c built with the machine's C compiler into a temporary folder, imported."""
+    import importlib.util
+    import subprocess
+    import sysconfig
+    import tempfile
+
+    src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "probe_compiled_wrapper.c")
+    out = os.path.join(tempfile.mkdtemp(), "probe_compiled_wrapper" + sysconfig.get_config_var("EXT_SUFFIX"))
+    cc = os.environ.get("CC", "cc")
+    try:
+        subprocess.run([cc, "-shared", "-fPIC", "-O2", f"-I{sysconfig.get_paths()['include']}", src, "-o", out],
+                       check=True)
+    except (OSError, subprocess.CalledProcessError) as e:  # no compiler or no headers: the other sides still run
+        print(f"probe_capture_path: the compiled side is left out: {e}", file=sys.stderr)
+        return None
+    spec = importlib.util.spec_from_file_location("probe_compiled_wrapper", out)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def minimal(original, proc, api, queue, compiled=None):
+    """The common path's work alone, in Python, or the same compiled (``compiled``: the built module)."""
+    hooks = observe.hooks
+    led = hooks.ledger
+    judges, ctx = hooks.judges, (led.scope, led.test, led.generation)
+    current_device = api.current_device or (lambda: 0)
+    stream_of = api.current_stream or (lambda d: (0,))
+    default_of = api.default_stream or (lambda d: (1,))
+
+    def gone(_ref):
+        pass
+
+    if compiled is not None:
+        return compiled.make(original, proc, judges, current_device, stream_of, default_of, "_probe_entry", gone,
+                             queue, ctx, CAPTURE_STACK_DEPTH)
+    getframe, depth, defaults, ref = sys._getframe, CAPTURE_STACK_DEPTH, {}, weakref.ref
+
+    def wrapper(graph, pool=None, *args, **kwargs):
+        be = proc._process
+        world = be.world
+        device = None
+        rules = judges.get(world)
+        if rules:
+            device = current_device()
+            default = defaults.get(device)
+            if default is None:
+                default = defaults[device] = default_of(device)[0]
+            if stream_of(device)[0] == default:
+                raise RuntimeError("probe: capture on the default stream")
+        original(graph, pool, *args, **kwargs)
+        if device is None:
+            device = current_device()
+        frames = []
+        f = getframe(1)
+        for _ in range(depth):
+            if f is None:
+                break
+            frames += (f.f_code, f.f_lasti)
+            f = f.f_back
+        entry = (ref(graph, gone), world, pool, device, frames, ctx)
+        graph._probe_entry = entry
+        queue.append(entry)
+
+    return wrapper
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--rounds", type=int, default=100)
     ap.add_argument("--graphs", type=int, default=8)
     ap.add_argument("--sides", help="comma-separated sides to run (default: all; plain always runs)")
+    ap.add_argument("--compiled", action="store_true", help="add the py_minimal and compiled sides (needs cc)")
     ap.add_argument("--json")
     a = ap.parse_args()
     be = get_backend(a.backend)
@@ -146,11 +220,34 @@ def main():
         finally:
             cls.capture_begin = original
 
+    api = next(x for x in graph_apis() if x.kind == be.name)
+    built = compiled_module() if a.compiled else None
+
+    def lean_side(compiled=None):
+        with PoolSanitizer(be):
+            ours = cls.capture_begin
+            proc = api_proc
+            if proc is None or proc._process is not be:
+                class _P:  # the sim's backend is the process one only through get_backend
+                    _process = be
+                proc = _P
+            queue: list = []
+            cls.capture_begin = minimal(ours.__wrapped__, proc, api, queue, compiled)
+            try:
+                out = one_round()
+            finally:
+                cls.capture_begin = ours
+            assert len(queue) == a.graphs and all(len(e[4]) == 2 * CAPTURE_STACK_DEPTH for e in queue), queue
+            queue.clear()
+            return out
+
     sides = {"plain": one_round, "weak_reference_alone": weak_reference_alone, "sanitizer": sanitized,
              "no_device_read": lambda: sanitized(device0=True),
              "inline_record": lambda: sanitized(inline=True),
              "context_cell": lambda: sanitized(inline=True, ctx_cell=True),
              "lean": lambda: sanitized(device0=True, inline=True, ctx_cell=True, no_old=True)}
+    if built is not None:
+        sides.update(py_minimal=lean_side, compiled=lambda: lean_side(built))
     if a.sides:
         keep = {"plain", *a.sides.split(",")}
         unknown = keep - set(sides)
@@ -166,7 +263,7 @@ def main():
         for name in order[k:] + order[:k]:
             seen[name].append(sides[name]())
     out: dict = {"backend": be.name, "torch": torch.__version__, "python": sys.version.split()[0],
-                 "graphs": a.graphs, "rounds": a.rounds}
+                 "graphs": a.graphs, "rounds": a.rounds, "compiled_built": built is not None}
     base = seen["plain"]
     totals = {name: [sum(sum(s) for s in r) for r in rr] for name, rr in seen.items()}
     for name, rr in seen.items():

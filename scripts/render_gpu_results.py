@@ -151,6 +151,19 @@ def main(folder: str) -> None:
     if pi:
         print(f"| plugin auto-loaded / -p no:cudagraph, one-test session CPU time | {pi['cpu_ratio']:.2f} "
               f"({pi['cpu_s_loaded']:.2f} vs {pi['cpu_s_disabled']:.2f} s) | ≤ 1.15 |")
+    probe = load(folder, "probe-capture-path.json")
+    if probe:
+        names = {"weak_reference_alone": "a weak reference alone (no sanitizer)", "sanitizer": "the sanitizer",
+                 "lean": "the sanitizer, lean variant", "py_minimal": "the common path's work alone, Python",
+                 "compiled": "the same work, compiled (C)"}
+        for side, words in names.items():
+            row = probe.get(side)
+            if row:
+                print(f"| probe, `torch.cuda.graph` one op ({probe['rounds']} rounds): {words}: overhead; µs added "
+                      f"entering / in the op / leaving | {row['overhead']:+.1%}; {row['extra_enter_us']:+.1f} / "
+                      f"{row['extra_op_us']:+.1f} / {row['extra_exit_us']:+.1f} | |")
+        if not probe.get("compiled_built"):
+            print("| probe: the compiled side | not built (no C compiler on the machine) | |")
     matrix = load(folder, "peer-matrix.json")
     if matrix:
         print_matrix(matrix)

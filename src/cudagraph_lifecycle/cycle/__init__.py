@@ -129,9 +129,12 @@ def run_cycle(
                 failed(e, rec, be, since, "release")
             left = [g for g in ledger.live_graphs(be.world) if g.scope == label]
             if left:
+                sites = list(dict.fromkeys(g.site for g in left if g.site))[:4]
                 rec.add("release_incomplete",
-                        f"release() left {len(left)} graph(s) captured: they are reset only when the engine object "
-                        "is garbage-collected, so a caller that keeps the engine keeps its pools")
+                        f"release() left {len(left)} graph(s) captured"
+                        + (f" (at {', '.join(sites)})" if sites else "")
+                        + ": reset them in release(); until they are reset (or collected), whoever holds them keeps "
+                        "their pools")
     if rec.poisoned:
         return [r.as_dict() for r in done] + [rec.as_dict()]
     kept = y if output == "hold" else (None if y is None else caller_copy(y))

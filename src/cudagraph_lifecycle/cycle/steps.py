@@ -28,7 +28,7 @@ from ..errors import (
     StalePoolError,
     exception_chain,
 )
-from ..ledger import Key, ledger
+from ..ledger import SITES, Key, Stack, ledger
 from ..sanitizer.pins import describe, graph_holder, mempool_notes, what_pins
 from ..sanitizer.stale import pinned_by, side_stream_fix
 from ..sizes import size_text
@@ -183,12 +183,13 @@ def failed(e: BaseException, rec: CycleRecord, be: Backend, since: int, step: st
             msg = f"StalePoolError: {stale}" + ("" if stale is e else wrapped)
         else:
             torch_said = next(str(x) for x in chain if any(m in str(x) for m in ASSERT_MARKERS))
-            msg = f"the allocator asserted during {step}: {(torch_said.strip().splitlines() or [''])[0]}"
+            said = (torch_said.strip().splitlines() or [""])[0].split(", please report a bug to PyTorch")[0]
+            msg = f"the allocator asserted during {step}: {said}"
             msg += "" if torch_said == str(e) else wrapped
             if a is not None:
                 msg += (f" -- a capture into pool {a.key[2]} on device {a.key[1]}"
                         f"{f' at {a.site}' if a.site else ''}, dead since its last graph was "
-                        f"released{f' (made by {a.owner})' if a.owner else ''}\n" + "".join(a.stacks()))
+                        f"released{f' (made by {a.owner})' if a.owner else ''}. {STALE_FIX}\n" + "".join(a.stacks()))
         rec.add("stale", msg)
         return
     hint = ""
@@ -197,6 +198,11 @@ def failed(e: BaseException, rec: CycleRecord, be: Backend, since: int, step: st
                 "@pytest.mark.gpu to skip it where there is none, or build it through the backend it is given "
                 "(backend.torch_device(0), backend.randn, backend.new_graph)")
     rec.add("error", f"{type(e).__name__} during {step}: {first}{hint}")
+
+
+STALE_FIX = ("Mint a fresh pool per engine (cudagraph_lifecycle.LazyPool) instead of keeping its id; with the "
+             "sanitizer on (--cudagraph-sanitize=on, the default) such a capture is refused before the allocator "
+             "asserts, and the process stays usable")
 
 
 def _poisoned_by_refusal(be: Backend) -> str:
@@ -287,11 +293,27 @@ def check_held(be: Backend, caller: Caller, current: set[Key]) -> CycleRecord | 
         why = "; ".join(([describe(pins)] if pins else []) + list(mempool_notes(pools).values())) or \
             "something else pins them"
         rec.add("leaked", f"once the caller dropped this engine's output, its pools "
-                          f"{[k[2] for k in pools]} still held {size_text(left)}: " + why,
+                          f"{[k[2] for k in pools]}{_captured_at(pools)} still held {size_text(left)}: " + why,
                 left, _stacks(be, pools), [p.as_dict() for p in pins])
     else:
         rec.settle_verdict()
     return rec
+
+
+def _captured_at(pools: list[Key]) -> str:
+    """`` (captured at file:line in function, ...)``: where the user's code captured into these pools."""
+    sites: list[str] = []
+    for k in pools:
+        e = ledger.pools.get(k)
+        sites += [s for s in (e.capture_sites() if e is not None else []) if s not in sites]
+    return f" (captured at {', '.join(sites[:SITES])})" if sites else ""
+
+
+def _minted_at(key: Key) -> str:
+    e = ledger.pools.get(key)
+    m = e.minted_at if e is not None else None
+    site = m.site() if isinstance(m, Stack) else ""
+    return f", its id minted at {site}" if site else ""
 
 
 def _stacks(be: Backend, pools: list[Key]) -> list[str]:
@@ -308,8 +330,10 @@ def judge(be: Backend, rec: CycleRecord, output: Any, hold: bool, declared: list
     not_reset = [g for g in ledger.live_graphs(be.world) if g.scope == label]
     if not_reset:
         held_by = graph_holder(not_reset)
+        sites = list(dict.fromkeys(g.site for g in not_reset if g.site))[:SITES]
         rec.add("graphs_not_reset",
-                f"{len(not_reset)} graph(s) captured by this engine were never reset: "
+                f"{len(not_reset)} graph(s) captured by this engine"
+                + (f" (at {', '.join(sites)})" if sites else "") + " were never reset: "
                 + (f"one is held as {held_by}; reset them in release() or drop that reference" if held_by else
                    "something still holds them after release (a module global, a cache of graphs)"),
                 0, [str(not_reset[0].captured_at)])
@@ -320,7 +344,8 @@ def judge(be: Backend, rec: CycleRecord, output: Any, hold: bool, declared: list
     if by_mempool:
         kept = sum(left.pop(k) for k in by_mempool)
         rec.leaked_bytes += kept
-        rec.add("leaked", f"after release its pools {[k[2] for k in by_mempool]} still hold {size_text(kept)}: "
+        rec.add("leaked", f"after release its pools {[k[2] for k in by_mempool]}{_captured_at(list(by_mempool))} "
+                          f"still hold {size_text(kept)}: "
                 + "; ".join(by_mempool.values()), kept, _stacks(be, list(by_mempool)))
     total = sum(left.values())
     if total and hold and output is not None:
@@ -332,14 +357,17 @@ def judge(be: Backend, rec: CycleRecord, output: Any, hold: bool, declared: list
         pins = what_pins(be, pinned, known)
         why = "; ".join(([describe(pins)] if pins else []) + list(mempool_notes(pinned).values())) or \
             _leak_hint(output)
-        rec.add("leaked", f"after release its pools {[k[2] for k in pinned]} still hold {size_text(total)} that no "
+        rec.add("leaked", f"after release its pools {[k[2] for k in pinned]}{_captured_at(pinned)} still hold "
+                          f"{size_text(total)} that no "
                           "output the caller holds pins: " + why,
                 total, _stacks(be, list(keys)), [p.as_dict() for p in pins])
     for k in keys:
         earlier = [s for s in ledger.scopes_of(*k) if s != label]
         if earlier:
-            rec.add("reused", f"captured into pool {k[2]} on device {k[1]}, which {earlier[0]} captured into "
-                              "and released: a kept pool handle (latent: it asserts once something pins that pool)")
+            rec.add("reused", f"captured into pool {k[2]} on device {k[1]}{_captured_at([k])}{_minted_at(k)}, which "
+                              f"{earlier[0]} captured into and released: a kept pool handle (latent: it asserts once "
+                              "something pins that pool). Mint a fresh pool per engine (cudagraph_lifecycle.LazyPool) "
+                              "instead of keeping its id")
     if declared is not None:
         rec.declared_pool_ids = [[d, list(p)] for d, p in declared]
         seen = {(k[1], k[2]) for k in keys}

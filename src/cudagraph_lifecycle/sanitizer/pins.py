@@ -62,8 +62,12 @@ class Pin:
 
 
 def describe(pins: list[Pin]) -> str:
-    """One line per holder: who pins how many bytes, and the fix."""
-    return "; ".join(f"{size_text(p.bytes)} pinned by {p.holder} ({p.cause}): {p.fix}" for p in pins)
+    """Who pins how many bytes, the holders of one cause together, and that cause's fix once."""
+    causes: dict[str, list[Pin]] = {}
+    for p in pins:
+        causes.setdefault(p.cause, []).append(p)
+    return "; ".join(", ".join(f"{size_text(p.bytes)} pinned by {p.holder}" for p in same)
+                     + f" ({cause}): {same[0].fix}" for cause, same in causes.items())
 
 
 def what_pins(backend: Backend, keys: list[Key], known: dict[int, str] | None = None,
