@@ -337,6 +337,26 @@ def _drop_inherited_log_capture() -> None:
                 lg.removeHandler(h)
 
 
+_THREADS_WARNED = False
+
+
+def _warn_forked_with_threads(said: list) -> None:
+    """Python 3.12 warns at every fork of a process that runs threads (a lock another thread held is held
+    for good in the child): once a session, with what to do about it; other warnings pass on as they were."""
+    global _THREADS_WARNED
+    for w in said:
+        if issubclass(w.category, DeprecationWarning) and "is multi-threaded, use of fork()" in str(w.message):
+            if not _THREADS_WARNED:
+                _THREADS_WARNED = True
+                warnings.warn(f"workers fork from a process that runs {threading.active_count()} threads "
+                              f"({', '.join(t.name for t in threading.enumerate())}): a lock another thread "
+                              "held at the fork stays held in the worker. Should a worker hang at its start, set "
+                              "--cudagraph-start-method=spawn (CUDAGRAPH_START_METHOD=spawn)", RuntimeWarning,
+                              stacklevel=4)
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+
+
 def ledger_seq() -> int:
     led = sys.modules.get("cudagraph_lifecycle.ledger")
     return -1 if led is None else led.ledger.seq
@@ -734,7 +754,10 @@ class ReusedWorker:
         try:
             main_before = _main_callables() if self.start_method == "fork" else None
             try:
-                proc.start()
+                with warnings.catch_warnings(record=True) as said:
+                    warnings.simplefilter("always", DeprecationWarning)
+                    proc.start()
+                _warn_forked_with_threads(said)
             except BaseException:
                 os.unlink(stderr_path)
                 parent.close()

@@ -634,3 +634,24 @@ def test_a_shown_traceback_keeps_our_frames_only_where_the_error_is_ours():
         parse_size("lots")
     shown = shown_traceback(e.value)
     assert "in parse_size" in shown and "sizes.py" in shown, shown
+
+
+def test_forking_a_process_with_threads_is_warned_once_with_what_to_do(monkeypatch):
+    """Python 3.12 warns at every fork of a process running threads: the session gets one warning that names
+    the option that avoids the fork; any other warning raised by the start passes on unchanged."""
+    import warnings
+
+    monkeypatch.setattr(worker_module, "_THREADS_WARNED", False)
+    fork_warning = "This process (pid=1) is multi-threaded, use of fork() may lead to deadlocks in the child."
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        warnings.warn(fork_warning, DeprecationWarning, stacklevel=1)
+        warnings.warn("another", UserWarning, stacklevel=1)
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        worker_module._warn_forked_with_threads(said)
+        worker_module._warn_forked_with_threads(said[:1])  # a second fork: nothing more
+    texts = [(w.category, str(w.message)) for w in shown]
+    assert texts[1] == (UserWarning, "another") and len(texts) == 2, texts
+    assert texts[0][0] is RuntimeWarning and "--cudagraph-start-method=spawn" in texts[0][1], texts
+    assert "threads (MainThread" in texts[0][1], texts
