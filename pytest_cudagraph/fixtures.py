@@ -36,28 +36,36 @@ def _marker_checked(check, node: pytest.Item, name: str):
     except ConfigError as e:
         message = str(e)
     where = marker_site(node, name)
-    pytest.fail(f"ConfigError: {message}" + (f" (written {where})" if where else ""), pytrace=False)
+    pytest.fail(f"ConfigError: {message}" + (f" ({where})" if where else ""), pytrace=False)
 
 
 def marker_site(node: pytest.Item, name: str) -> str | None:
-    """Where the marker ``name`` that ``node`` reads is written, as file:line: on the test function, on a
-    class (a class decorator or its ``pytestmark``), or in a module's ``pytestmark``."""
+    """Where the marker ``name`` that ``node`` reads comes from, in words: written on the test function or a
+    class (file:line), in a module's ``pytestmark``, or added by code (a hook, ``pytest.param``)."""
     import inspect
 
     found = next(node.iter_markers_with_node(name), None)
     if found is None:
         return None
-    owner = found[0]
-    path = node.location[0]
+    owner, mark = found
     if isinstance(owner, pytest.Module):
-        return f"in the pytestmark of {path}"
+        return f"written in the pytestmark of {node.location[0]}"
     obj = getattr(owner, "obj", None)
+    kind = "class" if isinstance(owner, pytest.Class) else "test"
+    written = getattr(obj, "pytestmark", [])
+    if not any(m.name == mark.name and m.args == mark.args and m.kwargs == mark.kwargs
+               for m in (written if isinstance(written, list) else [written])):
+        return f"added to {kind} {owner.name} (not by a decorator: a hook, pytest.param(marks=...) or a fixture)"
     try:
+        path = inspect.getsourcefile(obj) or node.location[0]
         line = inspect.getsourcelines(obj)[1]
     except (OSError, TypeError):
         return None
-    kind = "class" if isinstance(owner, pytest.Class) else "test"
-    return f"on {kind} {owner.name} at {path}:{line}"
+    try:
+        path = os.path.relpath(path, node.config.rootpath)
+    except ValueError:  # another drive
+        pass
+    return f"written on {kind} {owner.name} at {path}:{line}"
 
 
 def budgets(node: pytest.Item) -> dict[str, Any]:

@@ -7,6 +7,7 @@ import sys
 from typing import Any
 
 from cudagraph_lifecycle.errors import (
+    FRESH_POOL_FIX,
     TORCH_DEFAULT_STREAM_REFUSAL,
     TORCH_POOL_ASSERT,
     TORCH_RANDOM_POISONED,
@@ -97,8 +98,10 @@ def lifecycle_section(tr: Any, state: dict, backend: str | None) -> None:
         for p in c.get("problems") or []:
             first = p["message"].strip().splitlines()[0] if p["message"].strip() else p["kind"]
             tr.write_line(f"{'':<48}! {p['kind']}: {first}")
-    for line in legend:  # tests whose cut names read alike
-        tr.write_line(line)
+    if legend:  # tests whose cut names read alike
+        tr.write_line("tests whose cut ids read alike: " + legend[0])
+        for line in legend[1:]:
+            tr.write_line(f"{'':<32}{line}")
     if cold:
         tr.write_line("* the first capture in its worker process: it includes that process's first use of torch "
                       "(kernels, allocator segments, lazy imports); compare the engines after it")
@@ -202,8 +205,7 @@ def poison_note(exc: BaseException | None, earlier: list[str] | tuple = ()) -> s
     if TORCH_POOL_ASSERT in text and TORCH_RANDOM_POISONED not in text:
         return ("the caching allocator asserted on a capture into a released pool (a pool id kept after all its "
                 "graphs were reset, while a tensor of it lived or before a cache flush): this process's allocator "
-                "and random ops stay poisoned, in later tests too. Mint a fresh pool per engine "
-                f"(cudagraph_lifecycle.LazyPool). {fix}")
+                f"and random ops stay poisoned, in later tests too. {FRESH_POOL_FIX}. {fix}")
     causes = ([f"by a capture on the default stream (newest first): {where}"] if where else []) + (
         [f"by the allocator's `use_count > 0` assert on a capture into a released pool (newest first): {asserted}"]
         if asserted else [])

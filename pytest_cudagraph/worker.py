@@ -332,8 +332,8 @@ def _drop_inherited_log_capture() -> None:
     loggers = [logging.getLogger(), *(lg for lg in list(logging.Logger.manager.loggerDict.values())
                                       if isinstance(lg, logging.Logger))]
     for lg in loggers:
-        for h in list(lg.handlers):
-            if type(h).__module__.startswith("_pytest."):
+        for h in list(lg.handlers):  # (a --log-file handler stays: it only writes)
+            if type(h).__module__ == "_pytest.logging" and type(h).__name__ != "_FileHandler":
                 lg.removeHandler(h)
 
 
@@ -345,16 +345,19 @@ def _warn_forked_with_threads(said: list) -> None:
     for good in the child): once a session, with what to do about it; other warnings pass on as they were."""
     global _THREADS_WARNED
     for w in said:
-        if issubclass(w.category, DeprecationWarning) and "is multi-threaded, use of fork()" in str(w.message):
-            if not _THREADS_WARNED:
-                _THREADS_WARNED = True
-                warnings.warn(f"workers fork from a process that runs {threading.active_count()} threads "
-                              f"({', '.join(t.name for t in threading.enumerate())}): a lock another thread "
-                              "held at the fork stays held in the worker. Should a worker hang at its start, set "
-                              "--cudagraph-start-method=spawn (CUDAGRAPH_START_METHOD=spawn)", RuntimeWarning,
-                              stacklevel=4)
-        else:
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        try:  # (a filter that makes warnings errors must not lose the started child)
+            if issubclass(w.category, DeprecationWarning) and "is multi-threaded, use of fork()" in str(w.message):
+                if not _THREADS_WARNED:
+                    _THREADS_WARNED = True
+                    warnings.warn("workers fork from a process that runs other threads (native ones count too; "
+                                  f"Python's: {', '.join(t.name for t in threading.enumerate())}): a lock another "
+                                  "thread held at the fork stays held in the worker. Should a worker hang at its "
+                                  "start, set --cudagraph-start-method=spawn (CUDAGRAPH_START_METHOD=spawn)",
+                                  RuntimeWarning, stacklevel=4)
+            else:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        except Warning:
+            pass
 
 
 def ledger_seq() -> int:
@@ -753,17 +756,18 @@ class ReusedWorker:
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
             main_before = _main_callables() if self.start_method == "fork" else None
+            said: list = []
             try:
                 with warnings.catch_warnings(record=True) as said:
                     warnings.simplefilter("always", DeprecationWarning)
                     proc.start()
-                _warn_forked_with_threads(said)
             except BaseException:
                 os.unlink(stderr_path)
                 parent.close()
                 raise
             finally:
                 child.close()
+            _warn_forked_with_threads(said)  # the child is started: its start must be recorded below either way
             self._forked_main = None
             if main_before is not None:  # both before and after the fork: the child has that very object
                 main_after = _main_callables()

@@ -250,6 +250,8 @@ def main():
         sides.update(py_minimal=lean_side, compiled=lambda: lean_side(built))
     if a.sides:
         keep = {"plain", *a.sides.split(",")}
+        if a.compiled and built is None:  # not built here: those sides are left out, the others run
+            keep -= {"py_minimal", "compiled"}
         unknown = keep - set(sides)
         if unknown:
             ap.error(f"--sides: unknown {sorted(unknown)}; choose from {sorted(sides)}")

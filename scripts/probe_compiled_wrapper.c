@@ -39,6 +39,7 @@ wrapper_call(PyObject *self_, PyObject *const *args, size_t nargsf, PyObject *kw
         device = PyObject_CallNoArgs(self->current_device);
         if (device == NULL) goto fail;
         PyObject *def = PyDict_GetItemWithError(self->defaults, device);  /* borrowed */
+        if (def == NULL && PyErr_Occurred()) goto fail;
         if (def == NULL) {
             PyObject *t = PyObject_CallOneArg(self->default_of, device);
             if (t == NULL) goto fail;
@@ -54,6 +55,7 @@ wrapper_call(PyObject *self_, PyObject *const *args, size_t nargsf, PyObject *kw
         if (first == NULL) goto fail;
         int same = PyObject_RichCompareBool(first, def, Py_EQ);
         Py_DECREF(first);
+        if (same < 0) goto fail;
         if (same) {
             PyErr_SetString(PyExc_RuntimeError, "probe: capture on the default stream");
             goto fail;
@@ -74,7 +76,11 @@ wrapper_call(PyObject *self_, PyObject *const *args, size_t nargsf, PyObject *kw
     Py_XINCREF(f);
     for (int i = 0; f != NULL && i < self->depth; i++) {
         PyCodeObject *code = PyFrame_GetCode(f);
+#if PY_VERSION_HEX >= 0x030B0000
         PyObject *lasti = PyLong_FromLong(PyFrame_GetLasti(f));
+#else
+        PyObject *lasti = PyLong_FromLong(f->f_lasti * 2);  /* Python 3.10: in code units */
+#endif
         if (lasti == NULL || PyList_Append(frames, (PyObject *)code) < 0 || PyList_Append(frames, lasti) < 0) {
             Py_DECREF(code); Py_XDECREF(lasti); Py_DECREF(f); Py_DECREF(frames); goto fail;
         }
@@ -141,6 +147,12 @@ make(PyObject *mod, PyObject *args)
     if (w == NULL) return NULL;
     w->vectorcall = wrapper_call;
     w->defaults = PyDict_New();
+    if (w->defaults == NULL) {
+        w->original = w->proc = w->judges = w->current_device = w->stream_of = w->default_of = NULL;
+        w->tag = w->gone = w->queue = w->ctx = NULL;
+        Py_DECREF(w);
+        return NULL;
+    }
     if (!PyArg_ParseTuple(args, "OOOOOOOOOOi", &w->original, &w->proc, &w->judges, &w->current_device,
                           &w->stream_of, &w->default_of, &w->tag, &w->gone, &w->queue, &w->ctx, &w->depth)) {
         w->original = w->proc = w->judges = w->current_device = w->stream_of = w->default_of = NULL;

@@ -530,7 +530,10 @@ def graphed_with_backward_warmed(backend):
 
 class HostSyncEngine:
     """Branches on a tensor's value inside its capture (a host sync: `.item()`), catches the capture's error and
-    runs eagerly, as servers do. Its own pool per engine: only the failed capture."""
+    runs eagerly, as servers do. Its own pool per engine (or none given: torch mints one): only the failed
+    capture."""
+
+    own_pool = True
 
     def __init__(self, be):
         self.be, self.captured = be, False
@@ -550,7 +553,7 @@ class HostSyncEngine:
             self.forward(self.x)  # warm-up, eagerly
         g = be.new_graph()
         try:
-            with be.graph(g, pool=be.graph_pool_handle(), stream=s):
+            with be.graph(g, pool=be.graph_pool_handle() if self.own_pool else None, stream=s):
                 self.y = self.forward(self.x)
             self.g, self.captured = g, True
         except RuntimeError:
@@ -569,12 +572,13 @@ class HostSyncEngine:
         self.g = None
 
 
-def host_sync_engine_that_catches(backend="cuda"):
+def host_sync_engine_that_catches(backend="cuda", own_pool=True):
     """A capture broken by a host sync whose error the engine caught: the cycle says so (error, poisoned: the
     pool's references are never given back, the RNG's capture is left open), with the line that began it."""
     from cudagraph_lifecycle.cycle import run_cycle
 
     _without_worker_sanitizer()
-    (rec,) = run_cycle(HostSyncEngine, backend, 0)
+    engine = type("HostSyncEngine", (HostSyncEngine,), {"own_pool": own_pool})
+    (rec,) = run_cycle(engine, backend, 0)
     return {"verdict": rec["verdict"], "poisoned": rec["poisoned"],
             "message": rec["problems"][0]["message"] if rec["problems"] else ""}

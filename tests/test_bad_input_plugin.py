@@ -229,12 +229,25 @@ def test_x(engine_sequence):
 """
 
 
+ADDED_BY_A_HOOK = """
+import pytest
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        item.add_marker(pytest.mark.cudagraph_engines(n=-1))
+"""
+
+
 @pytest.mark.parametrize("text, words", [
     (MARKED_CLASS, "(written on class TestEngines at test_a.py:4)"),
     (MARKED_MODULE, "(written in the pytestmark of test_a.py)"),
-], ids=["class", "module"])
+    (MARKED_MODULE.replace("pytestmark = pytest.mark.cudagraph_engines(n=-1)", ""),
+     "(added to test test_x (not by a decorator: a hook, pytest.param(marks=...) or a fixture))"),
+], ids=["class", "module", "hook"])
 def test_a_bad_marker_names_the_class_or_module_it_is_written_on(pytester, text, words):
     pytester.makepyfile(engines_mod=ENGINES)
+    if "pytestmark" not in text and "class" not in text:
+        pytester.makeconftest(ADDED_BY_A_HOOK)
     pytester.makepyfile(test_a=text)
     res = pytester.runpytest_inprocess("-p", "cudagraph")
     assert res.ret == pytest.ExitCode.TESTS_FAILED

@@ -654,4 +654,8 @@ def test_forking_a_process_with_threads_is_warned_once_with_what_to_do(monkeypat
     texts = [(w.category, str(w.message)) for w in shown]
     assert texts[1] == (UserWarning, "another") and len(texts) == 2, texts
     assert texts[0][0] is RuntimeWarning and "--cudagraph-start-method=spawn" in texts[0][1], texts
-    assert "threads (MainThread" in texts[0][1], texts
+    assert "Python's: MainThread" in texts[0][1], texts
+    monkeypatch.setattr(worker_module, "_THREADS_WARNED", False)
+    with warnings.catch_warnings():  # warnings made errors (filterwarnings = error): nothing escapes
+        warnings.simplefilter("error")
+        worker_module._warn_forked_with_threads(said)

@@ -72,6 +72,15 @@ class ExpandableSegmentsHazardError(CudaGraphLifecycleError):
     Freeing such blocks after the teardown crashed torch 2.11 on the H200 (docs/gpu-results)."""
 
 
+# the fix for a pool id kept across engines, in every message that finds one
+FRESH_POOL_FIX = "Mint a fresh pool per engine (cudagraph_lifecycle.LazyPool) instead of keeping its id"
+
+
+def first_line(e: BaseException) -> str:
+    """An error's message's first line (its type's name where it has none)."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
 def exception_chain(exc: BaseException | None) -> list[BaseException]:
     """``exc`` and the exceptions it was raised from or while handling (``__cause__``, ``__context__``),
     outermost first: an engine that wraps torch's error in its own still failed for torch's reason."""

@@ -25,6 +25,7 @@ import importlib.util
 import itertools
 import json
 import os
+import re
 import sys
 import threading
 import traceback
@@ -167,8 +168,7 @@ class Stack:
         captured). The innermost frame that is not this package's where no frame is the user's."""
         fr = self._frames
         frames = [(code, lasti) for code, lasti in zip(fr[0::2], fr[1::2]) if not _machinery(code.co_filename)]
-        libraries = _library_dirs()
-        user = [f for f in frames if not f[0].co_filename.startswith(libraries)]
+        user = [f for f in frames if is_user_file(f[0].co_filename)]
         if not (user or frames):
             return ""
         code, lasti = (user or frames)[0]
@@ -197,29 +197,50 @@ def _library_dirs() -> tuple[str, ...]:
 def raised_at(exc: BaseException) -> str:
     """``file:line in function: Type: message`` of the innermost frame of the user's code in ``exc``'s
     traceback (not ours, torch's or the standard library's); "" where there is none."""
-    libraries = _library_dirs()
-    frames = [f for f in traceback.extract_tb(exc.__traceback__)
-              if not _machinery(f.filename) and not os.path.abspath(f.filename).startswith(libraries)]
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if is_user_file(f.filename)]
     if not frames:
         return ""
-    f, first = frames[-1], (str(exc).strip().splitlines() or [""])[0]
-    return f"{f.filename}:{f.lineno} in {f.name}: {type(exc).__name__}: {first}"
+    from .errors import first_line
+
+    f = frames[-1]
+    return f"{f.filename}:{f.lineno} in {f.name}: {type(exc).__name__}: {first_line(exc)}"
+
+
+def is_user_file(filename: str) -> bool:
+    """Whether a frame of ``filename`` is the user's code: not the machinery's, not torch's, not the standard
+    library's."""
+    return not _machinery(filename) and not os.path.abspath(filename).startswith(_library_dirs())
+
+
+_SHORT_FRAME = re.compile(r"^\s+(\S.*):\d+ in \S+$")  # a frame as an allocation stack shows it (cuda.py)
+
+
+def _frame_file(line: str) -> str | None:
+    if line.startswith('  File "'):  # as traceback.format_list and Stack show it
+        return line[len('  File "'):].partition('", line ')[0]
+    m = _SHORT_FRAME.match(line)
+    return m.group(1) if m else None
 
 
 def innermost_user_frames(text: str, n: int) -> list[str]:
-    """The lines of the innermost ``n`` frames of a stack formatted as :class:`Stack` shows it that are the
-    user's code, not torch's nor the standard library's (``torch.cuda.graph``'s ``__enter__``, a
-    ``contextlib`` wrapper); the innermost ``n`` frames where none is the user's."""
-    frames: list[list[str]] = []
-    for line in text.rstrip().splitlines():
-        if line.startswith('  File "'):
-            frames.append([line])
+    """The lines of the innermost ``n`` frames of a shown stack (as :class:`Stack` shows it, or an allocation
+    stack's ``file:line in function``) that are the user's code, not torch's nor the standard library's
+    (``torch.cuda.graph``'s ``__enter__``, a ``contextlib`` wrapper); the innermost ``n`` frames where none is
+    the user's; the last lines where no frame can be read."""
+    frames: list[tuple[str, list[str]]] = []
+    lines = text.rstrip().splitlines()
+    for line in lines:
+        path = _frame_file(line)
+        if path is not None:
+            frames.append((path, [line]))
         elif frames:
-            frames[-1].append(line)
-    libraries = _library_dirs()
-    user = [f for f in frames if not os.path.abspath(f[0][len('  File "'):].partition('", line ')[0])
-            .startswith(libraries)]
-    return [line for f in (user or frames)[-n:] for line in f]
+            frames[-1][1].append(line)
+    if not frames:
+        return lines[-2 * n:]
+    user = [f for f in frames if is_user_file(f[0])] or frames
+    # an allocation stack lists its innermost frame first, a traceback last
+    kept = user[:n] if not lines[0].startswith('  File "') and _SHORT_FRAME.match(lines[0]) else user[-n:]
+    return [line for _, shown in kept for line in shown]
 
 
 def sites_of(stacks: list[list]) -> list[str]:

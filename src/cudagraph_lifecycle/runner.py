@@ -360,6 +360,8 @@ class CUDAGraphRunner:
                             direct.end(graph)
                             entry.captured = True
                     except Exception as e:
+                        if direct is not None:  # what the capture_end wrapper records: the RNG is left poisoned
+                            direct.hooks.capture_failed(graph, e)
                         err = err or e
                 self._stats.capture_ms += (time.perf_counter() - t0) * 1e3
                 label = f"{bs} {dict(ekey)}" if ekey else str(bs)

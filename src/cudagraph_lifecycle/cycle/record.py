@@ -69,6 +69,12 @@ class CycleRecord:
     problems: list[Problem] = field(default_factory=list)
     sanitizer: list[dict] = field(default_factory=list)
 
+    def note_pool(self, key: tuple) -> None:
+        """A pool (a ledger key: world, device, pool id) this cycle captured into, once."""
+        entry = [key[1], list(key[2])]
+        if entry not in self.pool_ids:
+            self.pool_ids.append(entry)
+
     def add(self, kind: str, message: str, nbytes: int = 0, stacks: list[str] | None = None,
             pins: list[dict] | None = None) -> None:
         self.problems.append(Problem(kind, message, nbytes, list(stacks or []), list(pins or [])))

@@ -17,6 +17,7 @@ import torch
 
 from ..backends import Backend
 from ..errors import (
+    FRESH_POOL_FIX,
     TORCH_DEFAULT_STREAM_REFUSAL,
     TORCH_POOL_ASSERT,
     CapturedAddressError,
@@ -27,6 +28,7 @@ from ..errors import (
     ReplayCheckError,
     StalePoolError,
     exception_chain,
+    first_line,
 )
 from ..ledger import SITES, Key, Stack, ledger
 from ..sanitizer.pins import describe, graph_holder, mempool_notes, what_pins
@@ -151,7 +153,7 @@ def failed(e: BaseException, rec: CycleRecord, be: Backend, since: int, step: st
     """An engine step raised: a capture into a dead pool is ``stale`` (named from the ledger), the rest
     ``error``. The allocator's own assert poisons the process, and so does torch's refusal of a capture on the
     default stream."""
-    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    first = first_line(e)
     step = getattr(e, "cudagraph_step", step)
     attempts = ledger.stale_since(since, be.world)
     chain = exception_chain(e)  # an engine may wrap torch's error (or ours) in its own: the reason is inside
@@ -177,8 +179,8 @@ def failed(e: BaseException, rec: CycleRecord, be: Backend, since: int, step: st
         a = attempts[-1] if attempts else None
         if asserted:
             rec.poisoned = True
-        if a is not None and [a.key[1], list(a.key[2])] not in rec.pool_ids:
-            rec.pool_ids.append([a.key[1], list(a.key[2])])
+        if a is not None:
+            rec.note_pool(a.key)
         if stale is not None:
             msg = f"StalePoolError: {stale}" + ("" if stale is e else wrapped)
         else:
@@ -200,9 +202,8 @@ def failed(e: BaseException, rec: CycleRecord, be: Backend, since: int, step: st
     rec.add("error", f"{type(e).__name__} during {step}: {first}{hint}")
 
 
-STALE_FIX = ("Mint a fresh pool per engine (cudagraph_lifecycle.LazyPool) instead of keeping its id; with the "
-             "sanitizer on (--cudagraph-sanitize=on, the default) such a capture is refused before the allocator "
-             "asserts, and the process stays usable")
+STALE_FIX = (f"{FRESH_POOL_FIX}; a PoolSanitizer (in the pytest plugin: --cudagraph-sanitize=on or strict) "
+             "refuses such a capture before the allocator asserts, and the process stays usable")
 
 
 def _poisoned_by_refusal(be: Backend) -> str:
@@ -224,27 +225,32 @@ def refused_on_default_stream(rec: CycleRecord, be: Backend, since: int) -> None
                 f"caught: {_poisoned_by_refusal(be)}")
 
 
+FAILED_CAPTURE = "failed when it ended"  # words of the problem below: it is added once a cycle
+
+
 def failed_capture(rec: CycleRecord, be: Backend, since: int, raised: str | None = None) -> None:
     """A capture of this cycle whose end raised (``raised``: the step's error, where the engine let it out;
     None: the engine caught it and went on, eagerly). torch keeps that pool's references for good and leaves
-    the RNG's capture open: the process is poisoned, the worker replaced."""
-    if raised is None and any(p.kind in ("error", "stale") for p in rec.problems):
-        return
+    the RNG's capture open: the process is poisoned, the worker replaced, whatever else the cycle saw."""
     seen = ledger.failed_captures_since(since, (be.world,))
     if not seen:
         return
     f = seen[-1]
     rec.poisoned = True
-    if [f.key[1], list(f.key[2])] not in rec.pool_ids:
-        rec.pool_ids.append([f.key[1], list(f.key[2])])
+    if f.key[2] is not None:
+        rec.note_pool(f.key)
+    if any(p.kind == "error" and FAILED_CAPTURE in p.message for p in rec.problems):
+        return
     how = f"{raised}: " if raised else "the engine caught the error and went on without that graph (eagerly): "
-    rec.add("error", f"{how}a capture into pool {f.key[2]} began at {f.site or '(unknown)'} and failed when it "
-                     f"ended ({f.error}){f'; inside it {f.broken_at}' if f.broken_at else ''}. torch gives back none of a failed capture's pool references (the pool "
-                     "stays reserved for the process's life) and leaves the CUDA RNG's capture open (eager random "
-                     "ops fail until a later capture ends): the worker is replaced. Move what broke the capture out "
-                     "of the captured code: a host sync (.item(), .cpu(), .tolist(), a print of a tensor, a branch "
-                     "on a tensor's value) or an op that cannot be captured."
-                     + (f"\n--- the capture began at ---\n{f.at}" if f.at else ""))
+    said = "" if raised and f.error in raised else f" ({f.error})"
+    pool = f" into pool {f.key[2]}" if f.key[2] is not None else ""
+    rec.add("error", f"{how}a capture{pool} began at {f.site or '(unknown)'} and {FAILED_CAPTURE}{said}"
+                     f"{f'; inside it {f.broken_at}' if f.broken_at else ''}. torch gives back none of a failed "
+                     "capture's pool references (the pool stays reserved for the process's life) and leaves the "
+                     "CUDA RNG's capture open (eager random ops fail until a later capture ends): the worker is "
+                     "replaced. Move what broke the capture out of the captured code: a host sync (.item(), "
+                     ".cpu(), .tolist(), a print of a tensor, a branch on a tensor's value) or an op that cannot "
+                     "be captured." + (f"\n--- the capture began at ---\n{f.at}" if f.at else ""))
 
 
 def caught_stale(rec: CycleRecord, be: Backend, since: int) -> None:
@@ -256,8 +262,7 @@ def caught_stale(rec: CycleRecord, be: Backend, since: int) -> None:
     if not seen:
         return
     a = seen[-1]
-    if [a.key[1], list(a.key[2])] not in rec.pool_ids:
-        rec.pool_ids.append([a.key[1], list(a.key[2])])
+    rec.note_pool(a.key)
     if not a.refused:
         rec.poisoned = True
     what = ("the sanitizer refused it (StalePoolError)" if a.refused else
@@ -269,8 +274,8 @@ def caught_stale(rec: CycleRecord, be: Backend, since: int) -> None:
         what += "".join(f"; {note}" for note in mempool_notes([a.key]).values())
     rec.add("stale", f"a capture into stale pool {a.key[2]} on device {a.key[1]} at {a.site or '(unknown)'}, whose "
                      f"error the engine caught (it went on without its graphs): {what}."
-                     f"{f' The pool was made by {a.owner}.' if a.owner else ''} Mint a fresh pool per engine "
-                     "(cudagraph_lifecycle.LazyPool) instead of keeping its id.\n" + "".join(a.stacks()))
+                     f"{f' The pool was made by {a.owner}.' if a.owner else ''} {FRESH_POOL_FIX}.\n"
+                     + "".join(a.stacks()))
 
 
 def check_held(be: Backend, caller: Caller, current: set[Key]) -> CycleRecord | None:
@@ -325,7 +330,8 @@ def judge(be: Backend, rec: CycleRecord, output: Any, hold: bool, declared: list
     Returns the pools (the caller's next check reads them)."""
     label = rec.engine
     keys = ledger.pools_of_scope(be.world, label)
-    rec.pool_ids += [[k[1], list(k[2])] for k in keys if [k[1], list(k[2])] not in rec.pool_ids]
+    for k in keys:
+        rec.note_pool(k)
     rec.graphs = ledger.captures_in(label)
     not_reset = [g for g in ledger.live_graphs(be.world) if g.scope == label]
     if not_reset:
@@ -366,8 +372,7 @@ def judge(be: Backend, rec: CycleRecord, output: Any, hold: bool, declared: list
         if earlier:
             rec.add("reused", f"captured into pool {k[2]} on device {k[1]}{_captured_at([k])}{_minted_at(k)}, which "
                               f"{earlier[0]} captured into and released: a kept pool handle (latent: it asserts once "
-                              "something pins that pool). Mint a fresh pool per engine (cudagraph_lifecycle.LazyPool) "
-                              "instead of keeping its id")
+                              f"something pins that pool). {FRESH_POOL_FIX}")
     if declared is not None:
         rec.declared_pool_ids = [[d, list(p)] for d, p in declared]
         seen = {(k[1], k[2]) for k in keys}

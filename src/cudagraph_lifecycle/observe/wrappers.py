@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..backends.base import Backend, GraphAPI
-from ..errors import TORCH_DEFAULT_STREAM_REFUSAL
+from ..errors import TORCH_DEFAULT_STREAM_REFUSAL, first_line
 from ..ledger import CAPTURE_STACK_DEPTH as _DEPTH
 from ..ledger import DefaultStreamCapture, FailedCapture, GraphEntry, Ledger, Stack, TeardownHazard, raised_at
 
@@ -109,15 +109,14 @@ class Hooks:
         must see."""
         try:
             g = self.entry_of(graph)
-            if g is None:
+            if g is None or g.captured:  # (a capture_end with no capture open is no failed capture)
                 return
             led = self.ledger
             where = Stack(g.frames)
-            pool = g.pool_id if g.pool_id is not None else tuple(graph.pool())
             cause = e.__cause__ or e.__context__  # what the captured code raised first, where it raised
-            event = FailedCapture((g.world, g.device, pool), g.scope, led.next_seq(), g.test, str(where),
-                                  where.site(), (str(e).strip().splitlines() or [type(e).__name__])[0],
-                                  raised_at(cause) if cause is not None else "")
+            # a capture without a pool argument has no pool id until it ends well: None
+            event = FailedCapture((g.world, g.device, g.pool_id), g.scope, led.next_seq(), g.test, str(where),
+                                  where.site(), first_line(e), raised_at(cause) if cause is not None else "")
             with led.lock:
                 led.failed_captures.append(event)
         except Exception:
@@ -268,7 +267,8 @@ class DirectCapture:
         if d.dead or d.pending_keys: d.judge(be, device, pool)
         d.begin(graph, pool); g = d.record(graph, be, device, pool, frames)
         ... the capture ...
-        d.end(graph); g.captured = True  # (only once the original capture_end returned)
+        d.end(graph); g.captured = True  # (only once the original capture_end returned; if it raised:
+        #                                 d.hooks.capture_failed(graph, error))
 
     The ledger receives exactly what the wrappers would give it. Valid while both wrappers are the graph
     class's methods (:func:`cudagraph_lifecycle.observe.direct_capture` checks). There is no default-stream

@@ -4,7 +4,7 @@ and (under expandable segments) the reset of a pool's last graph while blocks of
 from __future__ import annotations
 
 from ..backends import Backend
-from ..errors import DefaultStreamCaptureError, ExpandableSegmentsHazardError, StalePoolError
+from ..errors import FRESH_POOL_FIX, DefaultStreamCaptureError, ExpandableSegmentsHazardError, StalePoolError
 from ..ledger import DefaultStreamCapture, StaleAttempt, TeardownHazard
 from ..sizes import size_text
 
@@ -40,8 +40,7 @@ def stale_error(backend: Backend, attempt: StaleAttempt) -> StalePoolError:
         f"capture into stale pool {tuple(pool_id)} on device {device}{at}: all its graphs were released, but "
         + " and ".join(why)
         + ". The real capture_begin would fail with 'use_count > 0 INTERNAL ASSERT FAILED' and poison the "
-        f"process.{made_by} Mint a fresh pool per engine (cudagraph_lifecycle.LazyPool) instead of keeping this "
-        "id.\n" + "".join(attempt.stacks())
+        f"process.{made_by} {FRESH_POOL_FIX}.\n" + "".join(attempt.stacks())
     )
     err.pool_id, err.device, err.owner, err.site = tuple(pool_id), device, attempt.owner, attempt.site
     return err
