@@ -1230,6 +1230,5 @@ def test_leaked_reused_and_unreset_graphs_name_the_lines_that_captured(cudagraph
     kinds = {p["kind"]: p["message"] for p in cached["problems"]}
     assert "1 graph(s) captured by this engine (at " in kinds["graphs_not_reset"], kinds
     assert "global `GRAPH_CACHE`" in kinds["graphs_not_reset"], kinds
-    assert kinds["release_incomplete"].startswith("release() left 1 graph(s) captured (at "), kinds
-    assert "garbage-collected" not in kinds["release_incomplete"], kinds
+    assert "release_incomplete" not in kinds, kinds  # the same graphs: said once, as never reset
     assert "(captured at " in kinds["leaked"] and "in capture" in kinds["leaked"], kinds

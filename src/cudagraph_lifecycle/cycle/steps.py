@@ -343,6 +343,9 @@ def judge(be: Backend, rec: CycleRecord, output: Any, hold: bool, declared: list
                 + (f"one is held as {held_by}; reset them in release() or drop that reference" if held_by else
                    "something still holds them after release (a module global, a cache of graphs)"),
                 0, [str(not_reset[0].captured_at)])
+        # the same graphs, said more precisely: the note made right after release() goes
+        rec.problems = [p for p in rec.problems if p.kind != "release_incomplete"]
+        rec.settle_verdict()
     left = {k: be.pool_state(k[2], k[1]).reserved_bytes for k in keys}
     # a pool whose MemPool object someone still holds stays whatever the caller drops (and the next engine may
     # capture into it, so it would never be judged again): leaked now, held output or not
