@@ -1153,22 +1153,29 @@ def test_a_capture_a_host_sync_broke_whose_error_the_engine_caught_is_an_error(c
     assert "failed when it ended" in text and "Move what broke the capture out of the captured code" in text
 
 
-class EndsTwice(KeptHandleEngine):
-    """Ends its capture, then ends it again in a cleanup path and ignores that error: a capture that ended
-    well is no failed capture."""
+class OwnPoolEngine(KeptHandleEngine):
+    """A pool of its own per engine (what the engines below do wrong is elsewhere)."""
 
-    def capture(self):
+    def captured(self):
         be = self.be
         g = be.new_graph()
         with be.stream(be.capture_stream(0)):
             g.capture_begin(pool=be.graph_pool_handle())
             self.y = self.w * 2
             g.capture_end()
-            try:
-                g.capture_end()
-            except RuntimeError:
-                pass
-        self.g = g
+        return g
+
+
+class EndsTwice(OwnPoolEngine):
+    """Ends its capture, then ends it again in a cleanup path and ignores that error: a capture that ended
+    well is no failed capture."""
+
+    def capture(self):
+        self.g = self.captured()
+        try:
+            self.g.capture_end()
+        except RuntimeError:
+            pass
 
 
 def test_a_second_capture_end_is_no_failed_capture(cudagraph_worker):
@@ -1179,17 +1186,11 @@ def test_a_second_capture_end_is_no_failed_capture(cudagraph_worker):
 GRAPH_CACHE = {}
 
 
-class CachedGraphEngine(KeptHandleEngine):
+class CachedGraphEngine(OwnPoolEngine):
     """Keeps its graph in a module-level cache, never cleared (vLLM-style): never reset."""
 
     def capture(self):
-        be = self.be
-        g = be.new_graph()
-        with be.stream(be.capture_stream(0)):
-            g.capture_begin(pool=be.graph_pool_handle())
-            self.y = self.w * 2
-            g.capture_end()
-        self.g = GRAPH_CACHE[len(GRAPH_CACHE)] = g
+        self.g = GRAPH_CACHE[len(GRAPH_CACHE)] = self.captured()
 
     def release(self):
         self.g = self.y = None
