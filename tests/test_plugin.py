@@ -450,6 +450,25 @@ def test_tests_whose_cut_names_read_alike_are_numbered_with_a_legend():
     assert legend == [f"[1] {ids[0]}", f"[2] {ids[1]}"]
     assert table_names(ids[2:3], 44) == ({"t.py::test_short": "t.py::test_short"}, [])
 
+    from pytest_cudagraph.terminal import lifecycle_section
+
+    class Terminal:
+        lines: list = []
+
+        def section(self, title):
+            self.lines.append(f"== {title}")
+
+        def write_line(self, line):
+            self.lines.append(line)
+
+    cycle = {"index": 0, "pid": 1, "verdict": "fresh", "pool_ids": [], "graphs": 1}
+    state = {"tests": {n: {"nodeid": n, "outcome": "passed", "cycles": [dict(cycle)]} for n in ids[:2]}}
+    tr = Terminal()
+    lifecycle_section(tr, state, "sim")
+    text = "\n".join(tr.lines)
+    assert f"tests whose cut ids read alike: [1] {ids[0]}" in text and f"[2] {ids[1]}" in text, text
+    assert a in text and b in text, text
+
 
 def test_the_report_keeps_a_failed_call_whose_teardown_errors_too(pytester):
     pytester.makepyfile(test_a='''
