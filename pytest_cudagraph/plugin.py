@@ -181,8 +181,9 @@ def _warn_markers_without_effect(item: pytest.Item) -> None:
 
 
 def pytest_report_collectionfinish(config: pytest.Config, start_path, items) -> list[str]:
-    """The plugin's one header line, shown only where a collected test uses it, or a program-wide sanitizer
-    reports under the tests (resolving the backend may import torch)."""
+    """The plugin's header lines (its settings, and where it was loaded from), shown only where a collected
+    test uses it, or a program-wide sanitizer reports under the tests (resolving the backend may import
+    torch)."""
     s = config.stash.get(SETTINGS_KEY, None)
     program = program_sanitizer_mode()  # its findings are reported under the tests: a session that uses it
     if s is None or not (s.get("used") or program):
@@ -193,7 +194,9 @@ def pytest_report_collectionfinish(config: pytest.Config, start_path, items) -> 
         f"workers start by {s['start_reason']}, timeout={s['timeout']:g}s, sanitize={s['sanitize']}"
         + (f" (and program-wide CUDAGRAPH_SANITIZE={os.environ.get('CUDAGRAPH_SANITIZE') or program})"
            if program else "")
-        + f", engines held by {s['worker']}" + (f" ({s['mpi_ranks']} ranks)" if s["worker"] == "mpi" else "")
+        + f", engines held by {s['worker']}" + (f" ({s['mpi_ranks']} ranks)" if s["worker"] == "mpi" else ""),
+        # which copy runs: a system-wide pytest may load another checkout's editable install
+        f"cudagraph: plugin from {os.path.dirname(os.path.abspath(__file__))}",
     ]
 
 

@@ -177,6 +177,10 @@ def test_spawn_start_method(pytester):
     res = run(pytester, "--cudagraph-start-method=spawn")
     res.assert_outcomes(passed=1)
     res.stdout.fnmatch_lines(["*workers start by spawn*"])
+    # which copy of the plugin runs (a system-wide pytest may load another checkout's install)
+    import pytest_cudagraph
+
+    res.stdout.fnmatch_lines([f"cudagraph: plugin from {os.path.dirname(os.path.abspath(pytest_cudagraph.__file__))}"])
 
 
 def test_unpicklable_closure_under_spawn(pytester):
