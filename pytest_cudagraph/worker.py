@@ -337,6 +337,24 @@ def _drop_inherited_log_capture() -> None:
                 lg.removeHandler(h)
 
 
+_DUMPED_FRAME = re.compile(r'^\s+File "(.+)", line \d+ in ')  # a frame as faulthandler dumps it
+
+
+def _without_machinery_frames(text: str) -> str:
+    """A faulthandler dump without the frames of pytest, pluggy and the plugin (a forked worker's stack holds
+    the pytest session it was forked from, below the call): the user's frames stay, and a count of the rest."""
+    from cudagraph_lifecycle.ledger import is_machinery
+
+    kept, dropped = [], 0
+    for line in text.splitlines(keepends=True):
+        m = _DUMPED_FRAME.match(line)
+        if m and is_machinery(m.group(1)):
+            dropped += 1
+            continue
+        kept.append(line)
+    return "".join(kept) + (f"  ({dropped} frames of pytest and the plugin left out)\n" if dropped else "")
+
+
 _THREADS_WARNED = False
 
 
@@ -850,7 +868,7 @@ class ReusedWorker:
             time.sleep(0.5)
         except ProcessLookupError:
             pass
-        tail = self.stderr_tail(60)
+        tail = _without_machinery_frames(self.stderr_tail(60))
         return WorkerTimeout(
             f"worker {self.name} (pid {proc.pid}) ran past the timeout of {limit:g}s"
             + (f" ({self.timeout_from})" if self.timeout_from and limit == self.timeout else "")
