@@ -340,19 +340,20 @@ def _drop_inherited_log_capture() -> None:
 _DUMPED_FRAME = re.compile(r'^\s+File "(.+)", line \d+ in ')  # a frame as faulthandler dumps it
 
 
-def _without_machinery_frames(text: str) -> str:
-    """A faulthandler dump without the frames of pytest, pluggy and the plugin (a forked worker's stack holds
-    the pytest session it was forked from, below the call): the user's frames stay, and a count of the rest."""
-    from cudagraph_lifecycle.ledger import is_machinery
-
+def _without_pytest_frames(text: str) -> str:
+    """A faulthandler dump without pytest's and pluggy's frames (a forked worker's stack holds the pytest
+    session it was forked from, below the call): the user's frames and ours (where a rank runs the call)
+    stay, and a count of the rest."""
+    dirs = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
+                 for m in (sys.modules.get(n) for n in ("_pytest", "pytest", "pluggy")) if getattr(m, "__file__", None))
     kept, dropped = [], 0
     for line in text.splitlines(keepends=True):
         m = _DUMPED_FRAME.match(line)
-        if m and is_machinery(m.group(1)):
+        if dirs and m and os.path.abspath(m.group(1)).startswith(dirs):
             dropped += 1
             continue
         kept.append(line)
-    return "".join(kept) + (f"  ({dropped} frames of pytest and the plugin left out)\n" if dropped else "")
+    return "".join(kept) + (f"  ({dropped} frames of pytest left out)\n" if dropped else "")
 
 
 _THREADS_WARNED = False
@@ -868,7 +869,7 @@ class ReusedWorker:
             time.sleep(0.5)
         except ProcessLookupError:
             pass
-        tail = _without_machinery_frames(self.stderr_tail(60))
+        tail = _without_pytest_frames(self.stderr_tail(60))
         return WorkerTimeout(
             f"worker {self.name} (pid {proc.pid}) ran past the timeout of {limit:g}s"
             + (f" ({self.timeout_from})" if self.timeout_from and limit == self.timeout else "")

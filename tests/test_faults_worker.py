@@ -137,7 +137,7 @@ ROWS = [
     Row("os-abort", "the callable calls os.abort()", lambda w: w.call(os.abort),
         WorkerCrashed, ("killed by signal SIGABRT", "Fatal Python error: Aborted"), replaced=True),
     Row("hang-past-timeout", "the callable sleeps 30 s under a 1 s timeout", lambda w: w.call(nap, 30),
-        WorkerTimeout, ("past the timeout of 1s", "in nap", "frames of pytest and the plugin left out"), replaced=True,
+        WorkerTimeout, ("past the timeout of 1s", "in nap", "frames of pytest left out"), replaced=True,
         timeout=1),
     Row("ctrl-c-mid-call", "Ctrl-C (SIGINT) reaches pytest during a call", ctrl_c_mid_call,
         KeyboardInterrupt, (), replaced=True),
