@@ -239,8 +239,14 @@ def innermost_user_frames(text: str, n: int) -> list[str]:
         return lines[-2 * n:]
     user = [f for f in frames if is_user_file(f[0])] or frames
     # an allocation stack lists its innermost frame first, a traceback last
-    kept = user[:n] if not lines[0].startswith('  File "') and _SHORT_FRAME.match(lines[0]) else user[-n:]
+    kept = user[:n] if _SHORT_FRAME.match(lines[0]) else user[-n:]
     return [line for _, shown in kept for line in shown]
+
+
+def graph_sites(graphs: list) -> list[str]:
+    """The distinct user sites where these graphs (ledger entries) were captured, first seen first, at most
+    SITES of them."""
+    return list(dict.fromkeys(g.site for g in graphs if g.site))[:SITES]
 
 
 def sites_of(stacks: list[list]) -> list[str]:

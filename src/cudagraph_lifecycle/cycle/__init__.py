@@ -93,6 +93,7 @@ def run_cycle(
     default_before, kept_before = be.default_pool_reserved(0), be.default_pool_allocated(0)
     since = ledger.seq
     engine = y = declared = None
+    released_left: list = []  # graphs of this engine still captured right after its release()
     with ledger.engine_scope(label):
         try:
             engine = build(factory, be)
@@ -127,14 +128,7 @@ def run_cycle(
                 engine.release()
             except Exception as e:
                 failed(e, rec, be, since, "release")
-            left = [g for g in ledger.live_graphs(be.world) if g.scope == label]
-            if left:
-                sites = list(dict.fromkeys(g.site for g in left if g.site))[:4]
-                rec.add("release_incomplete",
-                        f"release() left {len(left)} graph(s) captured"
-                        + (f" (at {', '.join(sites)})" if sites else "")
-                        + ": reset them in release(); until they are reset (or collected), whoever holds them keeps "
-                        "their pools")
+            released_left = [g for g in ledger.live_graphs(be.world) if g.scope == label]
     if rec.poisoned:
         return [r.as_dict() for r in done] + [rec.as_dict()]
     kept = y if output == "hold" else (None if y is None else caller_copy(y))
@@ -142,7 +136,7 @@ def run_cycle(
     graph_bytes = dict(runner.stats.graph_bytes) if hasattr(runner, "stats") else None
     del engine, y, runner
     settle(be)
-    pools = judge(be, rec, kept, output == "hold", declared)
+    pools = judge(be, rec, kept, output == "hold", declared, released_left)
     budget(rec, graph_bytes, max_pool_bytes, max_captures, require_replay)
     delta = be.default_pool_reserved(0) - default_before
     # growth is what the engine left behind; the default pool can also shrink over an engine, when memory held

@@ -30,7 +30,7 @@ from ..errors import (
     exception_chain,
     first_line,
 )
-from ..ledger import SITES, Key, Stack, ledger
+from ..ledger import SITES, Key, Stack, graph_sites, ledger
 from ..sanitizer.pins import describe, graph_holder, mempool_notes, what_pins
 from ..sanitizer.stale import pinned_by, side_stream_fix
 from ..sizes import size_text
@@ -325,9 +325,11 @@ def _stacks(be: Backend, pools: list[Key]) -> list[str]:
     return [b.stack for k in pools for b in be.live_blocks(k[2], k[1]) if b.stack][:8]
 
 
-def judge(be: Backend, rec: CycleRecord, output: Any, hold: bool, declared: list | None) -> list[Key]:
-    """After release and settle: the engine's pools from the ledger, their bytes, reuse, the cross-check.
-    Returns the pools (the caller's next check reads them)."""
+def judge(be: Backend, rec: CycleRecord, output: Any, hold: bool, declared: list | None,
+          released_left: list = ()) -> list[Key]:
+    """After release and settle: the engine's graphs (never reset, or left captured by ``release()``:
+    ``released_left``, the ledger's entries of that moment), its pools from the ledger, their bytes, reuse, the
+    cross-check. Returns the pools (the caller's next check reads them)."""
     label = rec.engine
     keys = ledger.pools_of_scope(be.world, label)
     for k in keys:
@@ -336,16 +338,20 @@ def judge(be: Backend, rec: CycleRecord, output: Any, hold: bool, declared: list
     not_reset = [g for g in ledger.live_graphs(be.world) if g.scope == label]
     if not_reset:
         held_by = graph_holder(not_reset)
-        sites = list(dict.fromkeys(g.site for g in not_reset if g.site))[:SITES]
+        sites = graph_sites(not_reset)
         rec.add("graphs_not_reset",
                 f"{len(not_reset)} graph(s) captured by this engine"
                 + (f" (at {', '.join(sites)})" if sites else "") + " were never reset: "
                 + (f"one is held as {held_by}; reset them in release() or drop that reference" if held_by else
                    "something still holds them after release (a module global, a cache of graphs)"),
                 0, [str(not_reset[0].captured_at)])
-        # the same graphs, said more precisely: the note made right after release() goes
-        rec.problems = [p for p in rec.problems if p.kind != "release_incomplete"]
-        rec.settle_verdict()
+    elif released_left:  # still captured right after release(), gone since (collected with the engine)
+        sites = graph_sites(released_left)
+        rec.add("release_incomplete",
+                f"release() left {len(released_left)} graph(s) captured"
+                + (f" (at {', '.join(sites)})" if sites else "")
+                + ": reset them in release(); until they are reset (or collected), whoever holds them keeps "
+                "their pools")
     left = {k: be.pool_state(k[2], k[1]).reserved_bytes for k in keys}
     # a pool whose MemPool object someone still holds stays whatever the caller drops (and the next engine may
     # capture into it, so it would never be judged again): leaked now, held output or not

@@ -13,7 +13,7 @@ from typing import Any
 
 from ..backends import Backend, PoolId
 from ..errors import FRESH_POOL_FIX
-from ..ledger import SITES, Stack, ledger
+from ..ledger import Stack, graph_sites, ledger
 from ..sizes import size_text
 from .stale import side_stream_fix
 
@@ -87,7 +87,7 @@ def collect(backend: Backend, since: int = 0, scope: str | None = None) -> list[
         if g.seq > since and (scope is None or g.scope == scope):
             unreleased.setdefault((g.pool_id, g.device, g.scope, g.test), []).append(g)
     for (pool_id, device, owner, _), graphs in unreleased.items():
-        sites = tuple(dict.fromkeys(g.site for g in graphs if g.site))[:SITES]
+        sites = tuple(graph_sites(graphs))
         tests = tuple(dict.fromkeys(g.test for g in graphs if g.test))
         held_by = graph_holder(graphs)
         n = len(graphs)
