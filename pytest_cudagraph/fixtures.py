@@ -10,9 +10,10 @@ from typing import Any
 import pytest
 
 from .mpi import MPIRanks
-from .report import FINDINGS, STRICT_FAILURE
+from .report import FINDINGS, SHOWN_FINDINGS, STRICT_FAILURE
 from .sequence import EngineSequence
 from .settings import CALL_FAILED, SETTINGS_KEY, STATE_KEY, describe_source, effective_backend
+from .terminal import finding_lines
 from .worker import ReusedWorker
 
 SCOPES = ("function", "module", "session")
@@ -172,22 +173,27 @@ def _cudagraph_sanitize(request: pytest.FixtureRequest):
     if over:
         request.node.user_properties.append((STRICT_FAILURE, "1"))
         pytest.fail("cudagraph budget:\n" + "\n".join(f"- {o}" for o in over), pytrace=False)
-    found = san.findings()
+    # (a program-wide sanitizer in this process may report the same pools: report.py)
+    found = [{**f.as_dict(), "pid": os.getpid()} for f in san.findings()]
     if found:
-        pid = os.getpid()  # (a program-wide sanitizer in this process may report the same pools: report.py)
-        request.node.user_properties.append((FINDINGS, json.dumps([{**f.as_dict(), "pid": pid} for f in found])))
+        request.node.user_properties.append((FINDINGS, json.dumps(found)))
     if found and s["sanitize"] == "strict" and not request.node.stash.get(CALL_FAILED, False):
         # (a test that failed already, e.g. on the refusal these findings record, is not failed again; a
         # refusal the test caught may be what it asserts, `pytest.raises(StalePoolError)`: failed under strict)
-        request.node.user_properties.append((STRICT_FAILURE, "1"))
-        pytest.fail("pool sanitizer findings:\n" + "\n".join(f"- {f.kind}: {f.message}" for f in found),
-                    pytrace=False)
+        _fail_strict(request.node, "pool sanitizer findings", found)
 
 
 @pytest.fixture(scope="session")
 def cudagraph_backend_name(pytestconfig: pytest.Config) -> str:
     """The backend name workers use (``auto``, ``cuda`` or ``sim``), from --cudagraph-backend."""
     return _settings(pytestconfig)["backend"]
+
+
+def _fail_strict(node: pytest.Item, title: str, found: list[dict]) -> None:
+    """Fail the test on its findings (``strict``), each shown whole; the session's section then names them
+    in one line each."""
+    node.user_properties += [(STRICT_FAILURE, "1"), (SHOWN_FINDINGS, "1")]
+    pytest.fail(f"{title}:\n" + "\n".join("- " + "\n  ".join(finding_lines(f, node.nodeid, named=False)) for f in found), pytrace=False)
 
 
 def _close_reporting(w: ReusedWorker | MPIRanks, config: pytest.Config, node: pytest.Item | None = None,
@@ -206,9 +212,7 @@ def _close_reporting(w: ReusedWorker | MPIRanks, config: pytest.Config, node: py
         return
     node.user_properties.append((FINDINGS, json.dumps(found)))
     if (mode or _settings(config)["sanitize"]) == "strict":
-        node.user_properties.append((STRICT_FAILURE, "1"))
-        pytest.fail("pool sanitizer findings in the test's worker:\n"
-                    + "\n".join(f"- {f['kind']}: {f['message']}" for f in found), pytrace=False)
+        _fail_strict(node, "pool sanitizer findings in the test's worker", found)
 
 
 @pytest.fixture

@@ -23,6 +23,7 @@ from .worker import finding_key
 CYCLES = "cudagraph_cycles"  # user property: the test's engine cycles, as JSON
 FINDINGS = "cudagraph_findings"  # user property: the in-process sanitizer's findings
 STRICT_FAILURE = "cudagraph_strict_failure"  # user property: strict findings failed the test
+SHOWN_FINDINGS = "cudagraph_findings_in_error"  # user property: the test's strict error shows its findings whole
 SNAPSHOT = "cudagraph_snapshot"  # user property: a memory snapshot's path
 SESSION_FINDINGS = "cudagraph_session_findings"  # an xdist worker's output: its session-wide sanitizer's findings
 VERDICTS = ("fresh", "held", "leaked", "stale", "reused", "error")
@@ -72,6 +73,8 @@ def record(state: dict, rep: pytest.TestReport) -> None:
             entry["memory_snapshot"] = value
         elif name == STRICT_FAILURE:
             entry["strict_failure"] = True
+        elif name == SHOWN_FINDINGS:
+            entry["findings_in_error"] = True
 
 
 def rows(state: dict) -> list[tuple[str, dict]]:

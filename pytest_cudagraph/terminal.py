@@ -111,35 +111,45 @@ def lifecycle_section(tr: Any, state: dict, backend: str | None) -> None:
                   f"{t['lifecycle_failures']} test(s) failed for lifecycle reasons; backend {backend}")
 
 
+def finding_lines(f: dict, nodeid: str, named: bool = True) -> list[str]:
+    """One finding of test ``nodeid`` as the user reads it: what and where (the pool, its device, its bytes;
+    after the test's id where ``named``), the message, the sites it does not name already, the other tests
+    that captured into the pool, and the innermost frames of the user's code of each stack (the JSON keeps
+    the whole stacks)."""
+    made = f" (made by {f['engine']})" if f.get("engine") and not f["engine"].startswith(nodeid) else ""
+    rank = f" of rank {f['rank']}" if f.get("rank") is not None else ""
+    began = f["kind"] == "default_stream_capture"  # a capture that never happened: no pool, no bytes
+    what = f"device {f['device']}{rank}" if began else \
+        f"pool {tuple(f['pool_id'])} on device {f['device']}{rank}" + (f", {_mib(f['bytes'])}" if f["bytes"] else "")
+    out = [f"{f'{nodeid}: ' if named else ''}{f['kind']}: {what}{made}", f"    {f['message']}"]
+    tried = {"default_stream_capture": "began", "stale_capture": "tried"}.get(f["kind"], "captured")
+    out += [f"    {tried} at {site}" for site in f.get("sites") or [] if site not in f["message"]]
+    out += [f"    also captured into by {other}" for other in (f.get("tests") or [])[1:]]
+    for stack in f.get("stacks") or []:
+        lines = stack.rstrip().splitlines()
+        if lines and lines[0].startswith("--- "):  # a labelled stack (which of a finding's several it is)
+            out.append(f"    {lines.pop(0)}")
+        out += [f"      {line}" for line in innermost_user_frames("\n".join(lines), 3)]
+    return out
+
+
 def findings_section(tr: Any, state: dict) -> None:
     """The sanitizer's findings: a cudagraph-marked test's own, the workers' engine cycles', and a
     program-wide sanitizer's (``CUDAGRAPH_SANITIZE=1``) at the session's end, each under its test, with
     where its pool was captured and what pins it (``on`` reports them here and in the JSON; ``strict`` also
-    fails the test)."""
+    fails the test, whose error shows them whole: here they are one line each)."""
     found = findings(state)
     if not found:
         return
     tr.section("cudagraph sanitizer")
+    tests = state["tests"]
     for nodeid, f in found:
-        made = f" (made by {f['engine']})" if f.get("engine") and not f["engine"].startswith(nodeid) else ""
-        rank = f" of rank {f['rank']}" if f.get("rank") is not None else ""
-        began = f["kind"] == "default_stream_capture"  # a capture that never happened: no pool, no bytes
-        what = f"device {f['device']}{rank}" if began else \
-            f"pool {tuple(f['pool_id'])} on device {f['device']}{rank}" + (f", {_mib(f['bytes'])}" if f["bytes"] else "")
-        tr.write_line(f"{nodeid}: {f['kind']}: {what}{made}")
-        tr.write_line(f"    {f['message']}")
-        tried = {"default_stream_capture": "began", "stale_capture": "tried"}.get(f["kind"], "captured")
-        for site in f.get("sites") or []:
-            if site not in f["message"]:  # the message may name it already
-                tr.write_line(f"    {tried} at {site}")
-        for other in (f.get("tests") or [])[1:]:
-            tr.write_line(f"    also captured into by {other}")
-        for stack in f.get("stacks") or []:
-            lines = stack.rstrip().splitlines()
-            if lines and lines[0].startswith("--- "):  # a labelled stack (which of a finding's several it is)
-                tr.write_line(f"    {lines.pop(0)}")
-            for line in innermost_user_frames("\n".join(lines), 3):  # the JSON keeps the whole stack
-                tr.write_line(f"      {line}")
+        lines = finding_lines(f, nodeid)
+        entry = tests.get(nodeid, {})
+        if entry.get("findings_in_error") and f in (entry.get("sanitizer") or ()):
+            lines = [lines[0], "    failed the test: its error above shows the whole finding"]
+        for line in lines:
+            tr.write_line(line)
     strict, by = state.get("strict_findings", 0), state.get("strict_by")
     if by == "--cudagraph-sanitize=strict":  # the tests' own failed their tests already
         tail = "" if not strict else f"; {by}: {strict} of them, found in shared workers when they closed, " + \

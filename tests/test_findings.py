@@ -4,6 +4,7 @@ a pinned pool (a global, an attribute, a list, the autograd graph of a copy, a l
 import json
 import os
 import time
+import weakref
 
 import pytest
 import torch
@@ -84,6 +85,90 @@ def test_a_buffer_of_a_module_is_named():
     (pin,) = what_pins(be, [key])
     assert "buffer `cached` of a Module object" in pin.holder
     san.stop()
+
+
+# torch.cuda.make_graphed_callables' closures, as torch 2.11 builds them: the static tensors and graphs in
+# an autograd Function's methods, that class in the closure of the function it returns (for a module, in the
+# closure of the forward it sets on the module). Compiled under torch's file name: library code, not the user's.
+_GRAPHED_SOURCE = """
+import torch
+
+def make_graphed_callables(callable, static_outputs, graph):
+    def make_graphed_autograd_function(graph, static_outputs):
+        class Graphed(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, *inputs):
+                graph.replay()
+                return tuple(o.detach() for o in static_outputs)
+
+            @staticmethod
+            @torch.autograd.function.once_differentiable
+            def backward(ctx, *grads):
+                return grads
+
+        def functionalized(*user_args):
+            return Graphed.apply(*user_args)
+
+        return functionalized
+
+    graphed = make_graphed_autograd_function(graph, static_outputs)
+    if isinstance(callable, torch.nn.Module):
+        def make_graphed_forward(func, graphed, orig_fwd):
+            def new_fwd(*user_args):
+                return graphed(*user_args) if func.training else orig_fwd(*user_args)
+            return new_fwd
+
+        callable.forward = make_graphed_forward(callable, graphed, callable.forward)
+        return callable
+    return graphed
+"""
+
+
+def _torch_style_graphed():
+    import torch.cuda.graphs
+
+    names = {"__name__": "torch.cuda.graphs"}
+    exec(compile(_GRAPHED_SOURCE, torch.cuda.graphs.__file__, "exec"), names)
+    return names["make_graphed_callables"]
+
+
+class Server:
+    pass
+
+
+def test_what_torch_keeps_in_closures_is_named_by_what_the_user_holds():
+    """make_graphed_callables keeps its static outputs and graphs in closures of its own: the holder a user
+    can drop is the callable it returned (memoised in a global) or the module whose forward it replaced."""
+    make_graphed = _torch_style_graphed()
+    be, san, key = _pinned(lambda y: HELD.__setitem__("decode", make_graphed(len, (y,), None)))
+    try:
+        (pin,) = what_pins(be, [key])
+        assert pin.holder.endswith("(a closure variable inside the `functionalized` that "
+                                   "torch.cuda.graphs.make_graphed_callables made, held as key `decode` of a dict "
+                                   "(global `HELD` of module test_findings))"), pin.holder
+    finally:
+        HELD.clear()
+        san.stop()
+    server = Server()
+    be, san, key = _pinned(lambda y: setattr(server, "model", make_graphed(torch.nn.Linear(1, 1), (y,), None)))
+    (pin,) = what_pins(be, [key])
+    assert "inside the `new_fwd` that torch.cuda.graphs.make_graphed_callables made, held as attribute `forward` " \
+           "of a Linear object (attribute `model` of a Server object" in pin.holder, pin.holder
+    san.stop()
+
+
+def test_a_graph_torch_keeps_in_a_closure_is_named_by_what_the_user_holds():
+    from cudagraph_lifecycle.sanitizer.pins import graph_holder
+
+    be = SimBackend()
+    g = be.new_graph()
+    HELD["graphed"] = _torch_style_graphed()(len, (), g)
+    try:
+        assert graph_holder([weakref.ref(g)]).endswith(
+            "inside the `functionalized` that torch.cuda.graphs.make_graphed_callables made, held as key "
+            "`graphed` of a dict (global `HELD` of module test_findings)")
+    finally:
+        HELD.clear()
 
 
 def test_the_autograd_graph_of_a_copy_is_named():
@@ -303,7 +388,13 @@ def test_findings_in_the_plugins_workers_are_reported_under_their_tests(pytester
         res.assert_outcomes(passed=3)
     else:  # a test's own worker's findings fail it at teardown; a shared worker's are the session's
         res.assert_outcomes(passed=3, errors=1)
-        res.stdout.fnmatch_lines(["*pool sanitizer findings in the test's worker:*", "- pinned_pool: pool (0, *"])
+        res.stdout.fnmatch_lines(["*pool sanitizer findings in the test's worker:*", "- pinned_pool: pool (0, *",
+                                  "*pinned by a tensor (64,) float32 held as key `last` of a dict*",
+                                  "*--- the pool's first capture began at ---", "*test_w.py*"])
+        out = res.stdout.str()  # the error shows it whole; the section names it in one line
+        assert out.count("pinned by a tensor (64,) float32 held as key `last`") == 2, out  # and the shared worker's
+        res.stdout.fnmatch_lines(["test_w.py::test_in_its_worker: pinned_pool: pool (0, *",
+                                  "    failed the test: its error above shows the whole finding"])
     data = json.loads(report.read_text())
     tests = {t["nodeid"].split("::")[1]: t for t in data["tests"]}
     (own,) = tests["test_in_its_worker"]["sanitizer"]
@@ -808,9 +899,13 @@ def test_a_swallowed_default_stream_capture_is_still_a_finding(pytester, mode, o
     assert f["kind"] == "default_stream_capture" and f["tests"] == ["test_eager.py::test_engine_falls_back_to_eager"]
     assert f["pool_id"] is None  # it had none: not torch's (0, 0)
     assert f["sites"][0].endswith("test_eager.py:6 in try_to_capture") and "refused before torch ran it" in f["message"]
-    res.stdout.fnmatch_lines(["test_eager.py::test_engine_falls_back_to_eager: default_stream_capture: device 0",
-                              "    a capture began on the default stream of device 0 at *test_eager.py:6 in "
-                              "try_to_capture: refused*"])
+    message = "*a capture began on the default stream of device 0 at *test_eager.py:6 in try_to_capture: refused*"
+    headline = "test_eager.py::test_engine_falls_back_to_eager: default_stream_capture: device 0"
+    if mode == "on":
+        res.stdout.fnmatch_lines([headline, message])
+    else:  # the test's error shows it whole (the test made it: no "made by"), the section in one line
+        res.stdout.fnmatch_lines(["- default_stream_capture: device 0", message, headline,
+                                  "    failed the test: its error above shows the whole finding"])
     assert "    began at " not in res.stdout.str()  # named once, in the message
 
 
@@ -844,9 +939,13 @@ def test_a_caught_stale_capture_in_a_marked_test_is_a_finding(pytester, mode, ou
     res = pytester.runpytest_subprocess("-p", "cudagraph", "-p", "no:cacheprovider", "--cudagraph-backend=sim",
                                         f"--cudagraph-sanitize={mode}")
     res.assert_outcomes(**outcome)
-    res.stdout.fnmatch_lines(["test_caught.py::test_a_reload_that_catches_the_stale_capture: stale_capture: pool "
-                              "(0, 1) on device 0", "    a capture into pool (0, 1) * at *test_caught.py:16 in "
-                              "test_a_reload_that_catches*"])
+    headline = "test_caught.py::test_a_reload_that_catches_the_stale_capture: stale_capture: pool (0, 1) on device 0"
+    message = "*a capture into pool (0, 1) * at *test_caught.py:16 in test_a_reload_that_catches*"
+    if mode == "on":
+        res.stdout.fnmatch_lines([headline, message])
+    else:  # the test's error shows it whole, the section in one line
+        res.stdout.fnmatch_lines(["- stale_capture: pool (0, 1) on device 0", message, headline,
+                                  "    failed the test: its error above shows the whole finding"])
 
 
 def test_a_stale_pool_error_in_a_test_shows_no_frame_of_the_sanitizer(pytester):

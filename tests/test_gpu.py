@@ -218,6 +218,17 @@ def test_what_pins_the_first_make_graphed_callables_is_named(engine_sequence):
     assert [r["verdict"] for r in records[1:]] == ["fresh"], records
 
 
+def test_graphed_callables_memoised_in_a_global_are_named_by_that_global(engine_sequence):
+    """make_graphed_callables keeps its graphs and static outputs in closures of its own; the engine memoised
+    what it returned in a module global: the message names that global, not torch's closure."""
+    (rec,) = engine_sequence(gpu_cases.memoised_graphed, 1, output="drop", check=False)
+    text = " ".join(p["message"] for p in rec["problems"])
+    print(rec["verdict"], text[:1500])
+    assert rec["verdict"] == "leaked", rec
+    assert "that torch.cuda.graphs.make_graphed_callables made, held as key `(8, 64)` of a dict (global " \
+           "`GRAPHED_CACHE` of module gpu_cases)" in text, text
+
+
 def test_warming_forward_and_backward_on_the_capture_stream_avoids_it(engine_sequence):
     records = engine_sequence(gpu_cases.graphed_with_backward_warmed, 2, output="drop")
     assert [r["verdict"] for r in records] == ["fresh", "fresh"], records

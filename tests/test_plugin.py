@@ -351,7 +351,13 @@ def test_sanitizer_findings_in_report_and_strict(pytester):
     assert "    captured at " not in res.stdout.str()  # the message names the line: not twice
     res = run(pytester, "--cudagraph-sanitize=strict")
     res.assert_outcomes(passed=1, errors=1)
-    res.stdout.fnmatch_lines(["*pool sanitizer findings*", "*unreleased_graph*"])
+    # the test's error shows the finding whole, the section in one line: the message is printed once
+    res.stdout.fnmatch_lines(["*pool sanitizer findings:", "- unreleased_graph: pool (*) on device 0*",
+                              "*test_a.py:9 in test_leaves_a_graph was never reset*",
+                              "*= cudagraph sanitizer =*",
+                              "test_a.py::test_leaves_a_graph: unreleased_graph: pool (*) on device 0*",
+                              "    failed the test: its error above shows the whole finding", "1 sanitizer finding(s)"])
+    assert res.stdout.str().count("was never reset") == 1
 
 
 def test_forked_incompatibility_rule():

@@ -23,15 +23,17 @@ import types
 import warnings
 import weakref
 from dataclasses import asdict, dataclass
+from functools import partial as functools_partial
 from typing import Any
 
 import torch
 
 from ..backends import Backend
-from ..ledger import Key, is_machinery, ledger
+from ..ledger import Key, is_machinery, is_user_file, ledger
 from ..sizes import size_text
 
 _AUTOGRAD_NODES = 20000  # autograd nodes walked at most
+_LIBRARY_NODES = 16  # objects of a library's closures walked through at most, up to what the user holds
 
 FIXES = {
     "python_reference": "drop that reference (or keep a .clone() made under torch.no_grad()) before the release",
@@ -202,15 +204,19 @@ def _holder(obj: Any, ignore: set[int], depth: int = 3) -> str | None:
             # locals on the frame, which would keep them alive after the function drops them
             return f"a local variable of {ref.f_code.co_name} ({ref.f_code.co_filename}:{ref.f_lineno})"
         elif isinstance(ref, types.CellType):
-            fn = next((f for f in gc.get_referrers(ref) if isinstance(f, tuple)), None)
-            owner = next((f for f in gc.get_referrers(fn) if isinstance(f, types.FunctionType)), None) if fn else None
+            owner = _cell_owner(ref)
             if owner is None:
                 continue  # a cell of a function now running: its frame, not a holder Python can name
+            if not is_user_file(owner.__code__.co_filename):  # torch's closures are not what the user can drop
+                found = _through_library(owner, ignore, depth)
+                if found is not None:
+                    return found
             return f"a closure variable of {owner.__qualname__} ({owner.__code__.co_filename})"
         elif issubclass(type(ref), type):  # a class attribute, found among frozen holders (_frozen_holders)
             key = next((k for k, v in vars(ref).items() if v is obj), None)
-            if key is not None:
-                return _class_attribute(ref, key)
+            if key is None:
+                continue  # a subclass (its base), or its mro
+            return _class_attribute(ref, key)
         else:  # an object keeping it as an attribute without a __dict__ of its own yet (inline values)
             attrs = getattr(ref, "__dict__", None)
             key = next((k for k, v in attrs.items() if v is obj), None) if isinstance(attrs, dict) else None
@@ -221,6 +227,81 @@ def _holder(obj: Any, ignore: set[int], depth: int = 3) -> str | None:
             return what + up
         unnamed = unnamed or what
     return unnamed
+
+
+def _cell_owner(cell: types.CellType) -> types.FunctionType | None:
+    """The function whose closure holds ``cell`` (None for a cell only a running frame holds)."""
+    closure = next((f for f in gc.get_referrers(cell) if isinstance(f, tuple)), None)
+    if closure is None:
+        return None
+    return next((f for f in gc.get_referrers(closure) if isinstance(f, types.FunctionType)), None)
+
+
+def _is_library(obj: Any) -> bool:
+    """Whether ``obj`` (a function, a class, a method wrapper) is defined outside the user's code."""
+    if isinstance(obj, (staticmethod, classmethod, types.MethodType)):
+        obj = obj.__func__
+    if isinstance(obj, types.FunctionType):
+        return not is_user_file(obj.__code__.co_filename)
+    if isinstance(obj, type):
+        f = getattr(sys.modules.get(obj.__module__), "__file__", None)
+        return f is None or not is_user_file(f)
+    return False
+
+
+_USER = object()  # a referrer that is no part of a library's closures: a holder of the user's
+
+
+def _library_parent(ref: Any, node: Any, skip: set[int]) -> Any:
+    """What ``ref`` (a referrer of ``node``) belongs to when it is part of a library's closures (a cell of a
+    library function, a library class's namespace, a method wrapper): the next object up; None where it leads
+    nowhere (a class's mro); ``_USER`` where it is the user's. ``skip``: the search's own containers."""
+    if isinstance(ref, types.CellType):
+        fn = _cell_owner(ref)
+        return None if fn is None else fn if _is_library(fn) else _USER
+    if isinstance(ref, (staticmethod, classmethod, types.MethodType, functools_partial)):
+        return ref
+    if isinstance(ref, tuple):  # a class's bases or mro leads nowhere; any other tuple is a container
+        return None if all(isinstance(o, type) for o in gc.get_referrers(ref) if id(o) not in skip) else _USER
+    if isinstance(ref, dict):  # a library class's namespace, a library function's or wrapper's __dict__
+        for o in gc.get_referrers(ref):
+            if isinstance(o, type) and any(v is node for v in vars(o).values()) \
+                    or getattr(o, "__dict__", None) is ref:
+                return o if _is_library(o) or isinstance(o, (staticmethod, classmethod)) else _USER
+        return _USER
+    if isinstance(ref, type):
+        return ref if _is_library(ref) else _USER
+    return _USER
+
+
+def _through_library(fn: types.FunctionType, ignore: set[int], depth: int) -> str | None:
+    """A library function (torch's ``make_graphed_callables``) keeps the object in its closure: walk up its
+    closures, classes and method wrappers to the first object the user's code holds, and name that holder.
+    None where the walk reaches none."""
+    todo, seen = [fn], {id(fn)}
+    for node in todo:  # grows as it goes
+        refs = gc.get_referrers(node)
+        skip = ignore | {id(refs), id(sys._getframe()), id(todo)}
+        held = False
+        for ref in refs:
+            if id(ref) in skip or isinstance(ref, types.FrameType) and is_machinery(ref.f_code.co_filename):
+                continue
+            parent = _library_parent(ref, node, skip)
+            if parent is _USER:
+                held = True
+                continue
+            skip.add(id(ref))
+            if parent is not None and id(parent) not in seen and len(seen) < _LIBRARY_NODES:
+                seen.add(id(parent))
+                todo.append(parent)
+        del refs  # alive, it would be a referrer of the next node
+        if held:
+            named = _holder(node, skip, depth)
+            if named is not None:
+                made_by = fn.__qualname__.partition(".<locals>")[0]
+                what = getattr(node, "__qualname__", type(node).__qualname__).rpartition(".")[2]
+                return f"a closure variable inside the `{what}` that {fn.__module__}.{made_by} made, held as {named}"
+    return None
 
 
 def _attribute(owner: Any, key: str, ignore: set[int], depth: int) -> str:
