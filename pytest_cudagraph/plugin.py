@@ -36,6 +36,7 @@ from .settings import CALL_FAILED, SETTINGS_KEY, STATE_KEY, effective_backend, p
 from .worker import close_all_workers, resolve_start_method
 
 MARKERS = ("cudagraph", "gpu", "mpi", "cudagraph_engines")
+HEADER = "cudagraph_header"  # an xdist worker's output: its header lines, where its tests used the plugin
 FIXTURES = ("engine_sequence", "cudagraph_worker", "cudagraph_module_worker", "cudagraph_session_worker",
             "cudagraph_mpi_ranks", "cudagraph_backend_name")
 
@@ -62,18 +63,35 @@ def forked_incompatibility(pytest_version: str, forked: bool) -> str | None:
     return None
 
 
-def _check_report_path(s: dict) -> str:
+def _check_report_path(s: dict, probe: bool = True) -> str:
     given = settings.describe_source(s, "report")
     path = os.path.abspath(s["report"])
     folder = os.path.dirname(path)
     if not os.path.isdir(folder):
         raise pytest.UsageError(f"{given}: the folder {folder} does not exist; create it (mkdir -p {folder}) or "
                                 "choose another path")
-    if not os.access(folder, os.W_OK):
-        raise pytest.UsageError(f"{given}: the folder {folder} is not writable")
     if os.path.isdir(path):
         raise pytest.UsageError(f"{given} is a folder: give a file path such as {path}/cudagraph.json")
+    if not os.access(folder, os.W_OK):
+        raise pytest.UsageError(f"{given}: the folder {folder} is not writable; choose another path")
+    if probe:  # os.access says yes to root everywhere (/proc too): only a file made there tells
+        try:
+            fd, tmp = tempfile.mkstemp(dir=folder, prefix=".cudagraph-report-")
+        except OSError as e:
+            raise pytest.UsageError(f"{given}: the folder {folder} is not writable ({e.strerror or e}); choose "
+                                    "another path") from None
+        os.close(fd)
+        os.unlink(tmp)
     return path
+
+
+def _check_worker_kind(s: dict) -> None:
+    """``mpi`` chosen (the default is fork) where MPI is missing: a usage error, since skipping every
+    engine_sequence test would let a CI gate pass on no engine at all."""
+    if s["worker"] == "mpi" and s["mpi_unavailable"]:
+        raise pytest.UsageError(
+            f"{settings.describe_source(s, 'worker')}: {s['mpi_unavailable']}, so every engine_sequence test would "
+            f"be skipped. Install mpi4py and an MPI runtime, or choose fork: {settings.choose(s, 'worker', 'fork')}")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -106,9 +124,14 @@ def pytest_configure(config: pytest.Config) -> None:
     for line in settings.unknown_variables(os.environ):
         config.issue_config_time_warning(pytest.PytestConfigWarning(line), stacklevel=2)
     config.stash[STATE_KEY] = reporting.new_state()
-    if s["report"]:
-        s["report"] = _check_report_path(s)
     workerinput = getattr(config, "workerinput", None)
+    if s["report"]:
+        s["report"] = _check_report_path(s, probe=workerinput is None)  # (only the controller writes it)
+    if s["sanitize"] == "strict" and s["expandable_teardown"] == "report" and workerinput is None:
+        config.issue_config_time_warning(pytest.PytestConfigWarning(
+            f"{settings.describe_source(s, 'expandable_teardown')} is overridden by "
+            f"{settings.describe_source(s, 'sanitize')}: strict always refuses the reset of a pool's last graph "
+            "while blocks of it live; drop one of them"), stacklevel=2)
     if workerinput is not None and s["backend"] != "sim":
         # xdist: one GPU per worker, set before anything in this process touches CUDA.
         s["pinned_device"] = pin_xdist_worker(workerinput["workerid"], int(workerinput.get("workercount", 1)))
@@ -132,6 +155,7 @@ def pytest_configure(config: pytest.Config) -> None:
     s["mpi_unavailable"] = mpi_unavailable_reason()
     if s["require_mpi"] and s["mpi_unavailable"]:
         raise pytest.UsageError(f"{settings.describe_source(s, 'require_mpi')}: {s['mpi_unavailable']}")
+    _check_worker_kind(s)
     try:
         s["start_method_effective"], s["start_reason"] = resolve_start_method(s["start_method"])
     except ValueError as e:
@@ -183,11 +207,16 @@ def _warn_markers_without_effect(item: pytest.Item) -> None:
 def pytest_report_collectionfinish(config: pytest.Config, start_path, items) -> list[str]:
     """The plugin's header lines (its settings, and where it was loaded from), shown only where a collected
     test uses it, or a program-wide sanitizer reports under the tests (resolving the backend may import
-    torch)."""
+    torch). An xdist controller collects nothing: it prints its workers' lines in the summary."""
     s = config.stash.get(SETTINGS_KEY, None)
     program = program_sanitizer_mode()  # its findings are reported under the tests: a session that uses it
     if s is None or not (s.get("used") or program):
         return []
+    return _header_lines(config, program)
+
+
+def _header_lines(config: pytest.Config, program: str | None) -> list[str]:
+    s = config.stash[SETTINGS_KEY]
     backend = effective_backend(config)
     return [
         f"cudagraph: backend={s['backend']} (effective {backend}), gpus={s['gpus']}, "
@@ -262,9 +291,22 @@ class _XdistReports:
             reporting.record(self.config.stash[STATE_KEY], report)
 
     def pytest_testnodedown(self, node, error) -> None:
-        found = getattr(node, "workeroutput", {}).get(reporting.SESSION_FINDINGS)
+        output = getattr(node, "workeroutput", {})
+        state = self.config.stash[STATE_KEY]
+        found = output.get(reporting.SESSION_FINDINGS)
         if found:
-            reporting.add_session_findings(self.config.stash[STATE_KEY], json.loads(found))
+            reporting.add_session_findings(state, json.loads(found))
+        worker = getattr(node, "workerinput", {}).get("workerid", "?")
+        for line in json.loads(output.get(HEADER, "[]")):
+            state.setdefault("headers", {}).setdefault(line, []).append(worker)
+
+
+def _xdist_header(tr, state: dict) -> None:
+    """The header lines the workers sent, once each; a line not every worker shares names its workers."""
+    headers = state.get("headers") or {}
+    workers = {w for ids in headers.values() for w in ids}
+    for line, ids in headers.items():
+        tr.write_line(line if set(ids) == workers else f"{line} ({', '.join(sorted(ids))})")
 
 
 @pytest.hookimpl(trylast=True)
@@ -298,6 +340,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if hasattr(config, "workerinput"):
         if found:
             config.workeroutput[reporting.SESSION_FINDINGS] = json.dumps(found)
+        program = program_sanitizer_mode()
+        if s.get("used") or program:
+            config.workeroutput[HEADER] = json.dumps(_header_lines(config, program))
         return
     reporting.add_session_findings(state, found)
     strict_by = "CUDAGRAPH_SANITIZE=strict" if _program_wide_strict() else \
@@ -310,7 +355,15 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if s["report"]:
         if reporting.rows(state) or state.get("session_findings"):
             effective_backend(config)  # an xdist controller ran no test: what its workers resolved, read alike
-        reporting.write(s["report"], s, state, exitstatus)
+        try:
+            reporting.write(s["report"], s, state, exitstatus)
+        except OSError as e:  # the folder went away or filled up since the start: one line, not a traceback
+            state["report_error"] = line = (f"cudagraph report not written: {settings.describe_source(s, 'report')}: "
+                                            f"{e.strerror or e} ({e.filename or s['report']})")
+            if session.exitstatus == pytest.ExitCode.OK:  # as the same path refused at the start would
+                session.exitstatus = pytest.ExitCode.USAGE_ERROR
+            if not config.pluginmanager.has_plugin("terminalreporter"):
+                sys.stderr.write(f"ERROR: {line}\n")
 
 
 def _program_wide_strict() -> bool:
@@ -333,7 +386,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
         return
     if reporting.rows(state):
         effective_backend(config)  # (an xdist controller has not resolved it: its workers ran the tests)
+    _xdist_header(terminalreporter, state)
     terminal.lifecycle_section(terminalreporter, state, s.get("effective_backend"))
     terminal.findings_section(terminalreporter, state)
-    if s["report"]:
+    if state.get("report_error"):
+        terminalreporter.write_line(f"ERROR: {state['report_error']}", red=True, bold=True)
+    elif s["report"]:
         terminalreporter.write_line(f"cudagraph report: {s['report']}")

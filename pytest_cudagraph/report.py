@@ -107,6 +107,15 @@ def totals(state: dict) -> dict[str, int]:
     return out
 
 
+def lifecycle_line(t: dict[str, int]) -> str:
+    """The table's last words on failures: the tests, and apart from them a session a strict sanitizer failed
+    (``lifecycle_failures`` counts that session as one more, which is not a test)."""
+    session = t["strict_session_findings"]
+    tests = t["lifecycle_failures"] - (session > 0)
+    return f"{tests} test(s) failed for lifecycle reasons" + (
+        f", and the session failed on {session} strict sanitizer finding(s)" if session else "")
+
+
 def _version(dist: str) -> str | None:
     try:
         return metadata.version(dist)
@@ -125,8 +134,14 @@ def write(path: str, s: dict, state: dict, exitstatus: int) -> None:
             "start_method": s.get("start_method_effective"),
             "sanitize": s["sanitize"],
             "program_sanitize": program_sanitizer_mode(),  # CUDAGRAPH_SANITIZE's sanitizer, where installed
-            "expandable_teardown": s["expandable_teardown"],
+            # what the workers do: strict refuses whatever was set (set: as the user set it)
+            "expandable_teardown": "refuse" if s["sanitize"] == "strict" else s["expandable_teardown"],
+            "expandable_teardown_set": s["expandable_teardown"],
             "max_growth": s["max_growth"],
+            "worker": s["worker"],
+            "mpi_ranks": s["mpi_ranks"],
+            "timeout": s["timeout"],
+            "plugin_version": _version("pytest-cudagraph"),
             "exitstatus": int(exitstatus),
         },
         "tests": list(state["tests"].values()),
@@ -137,9 +152,14 @@ def write(path: str, s: dict, state: dict, exitstatus: int) -> None:
     if png:
         report["meta"]["timeline_png"] = png
     tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(report, f, indent=1)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(report, f, indent=1)
+        os.replace(tmp, path)
+    except OSError:
+        if os.path.exists(tmp):  # a full disk: no half-written file left beside the report
+            os.unlink(tmp)
+        raise
 
 
 def timeline_png(cycles: list[tuple[str, dict]], report_path: str) -> str | None:

@@ -8,6 +8,7 @@ needs it (:func:`effective_backend`).
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -105,9 +106,10 @@ PYTEST_INI = IniFile()
 def setting(o: Option, source: str, value: Any, ini: IniFile = PYTEST_INI) -> str:
     """How to write ``value`` where the user set the option: ``--cudagraph-x=v``, ``VAR=v``, or the line of
     the ini file the user has, in its section."""
+    text = ("true" if value else "false") if isinstance(value, bool) else value  # TOML's spelling, taken by all
     if source != "ini":
-        return f"{where(o, source)}={value}"
-    text = f'"{value}"' if ini.toml and isinstance(value, str) else value
+        return f"{where(o, source)}={text}"
+    text = f'"{value}"' if ini.toml and isinstance(value, str) else text
     return f"`{o.ini} = {text}` in the {ini.section} section of {ini.name}"
 
 
@@ -137,49 +139,98 @@ def unset(s: dict[str, Any], key: str) -> str:
     """How to take back what the user set, in their words: drop the flag, unset the variable, remove the key."""
     o = BY_NAME[key.replace("_", "-")]
     source = s["sources"].get(key, "default")
+    ini = s.get("ini_file", PYTEST_INI)
     return {"cli": f"drop --cudagraph-{o.name}", "env": f"unset {o.env}",
-            "ini": f"remove {o.ini} from the ini file"}.get(source, f"leave --cudagraph-{o.name} at its default")
+            "ini": f"remove {o.ini} from the {ini.section} section of {ini.name}"}.get(
+        source, f"leave --cudagraph-{o.name} at its default")
+
+
+def choose(s: dict[str, Any], key: str, value: Any) -> str:
+    """How to choose ``value`` where the user set the option: ``--cudagraph-x=v``, ``VAR=v`` or the ini line."""
+    o = BY_NAME[key.replace("_", "-")]
+    source = s["sources"].get(key, "default")
+    return setting(o, "cli" if source == "default" else source, value, s.get("ini_file", PYTEST_INI))
 
 
 # kind -> (cast, lowest accepted value, what it must be, an example)
 _NUMBERS = {"int": (int, 1, "an integer", 2), "float": (float, 0, "a number of seconds", 120)}
+_EXAMPLES = {"bool": True, "bytes": "64MiB", "path": "reports/cudagraph.json"}
+
+
+def _quoted(raw: Any, source: str, ini: IniFile) -> str | None:
+    """The value inside quotes written in a ``.ini``/``.cfg`` file, which keeps them as part of the value."""
+    if source == "ini" and not ini.toml and isinstance(raw, str):
+        text = raw.strip()
+        if len(text) >= 2 and text[0] == text[-1] and text[0] in "\"'":
+            return text[1:-1].strip()
+    return None
+
+
+def _shown(raw: Any, source: str, ini: IniFile) -> str:
+    """The value as the user wrote it: a TOML boolean as ``true``, anything else as Python shows it."""
+    if isinstance(raw, bool) and source == "ini" and ini.toml:
+        return "true" if raw else "false"
+    return repr(raw)
+
+
+def _bad(o: Option, raw: Any, source: str, ini: IniFile, problem: str, example: Any = None,
+         sep: str = ": ") -> pytest.UsageError:
+    """``<what the user set>=<value> <problem>``, then how to write it where it was set (for an ini key: the
+    line and the file's section)."""
+    inner = _quoted(raw, source, ini)
+    if inner is not None:  # the likeliest cause: quotes, which only TOML strips
+        sep, fix = "; ", f"{ini.name} takes quotes literally, so drop them: {setting(o, source, inner, ini)}"
+    else:
+        fix = f"e.g. {setting(o, source, _EXAMPLES.get(o.kind, o.default) if example is None else example, ini)}"
+    return pytest.UsageError(f"{where(o, source)}={_shown(raw, source, ini)} {problem}{sep}{fix}")
 
 
 def _convert(o: Option, raw: Any, source: str, ini: IniFile = PYTEST_INI) -> Any:
-    name = where(o, source)
+    # a TOML number or boolean where another type goes is refused, not cast (true would be a 1 s timeout)
+    typed = source == "ini" and not isinstance(raw, str)
     if o.kind == "bool":
         if isinstance(raw, bool):
             return raw
         text = str(raw).strip().lower()
-        if text in ("1", "true", "yes", "on"):
-            return True
-        if text in ("0", "false", "no", "off", ""):
-            return False
-        raise pytest.UsageError(f"{name}={raw!r} is not a boolean: use 1/0, true/false, yes/no, on/off")
+        if not typed or isinstance(raw, int):
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off", ""):
+                return False
+        raise _bad(o, raw, source, ini, "is not a boolean: use 1/0, true/false, yes/no, on/off", sep="; ")
     if o.kind == "bytes":
         try:
+            if isinstance(raw, (bool, float)):
+                raise ValueError(raw)
             return parse_size(raw)
         except NegativeSizeError:
-            raise pytest.UsageError(f"{name}={raw!r} is negative: give a size >= 0, e.g. "
-                                    f"{setting(o, source, '64MiB', ini)}") from None
+            raise _bad(o, raw, source, ini, "is negative: give a size >= 0", sep=", ") from None
         except ValueError:
-            raise pytest.UsageError(f"{name}={raw!r} is not a size in bytes: give {SIZE_HELP}, e.g. "
-                                    f"{setting(o, source, '64MiB', ini)}") from None
+            raise _bad(o, raw, source, ini, f"is not a size in bytes: give {SIZE_HELP}", sep=", ") from None
     if o.kind in _NUMBERS:
         cast, lowest, what, example = _NUMBERS[o.kind]
+        if isinstance(raw, bool) or (cast is int and isinstance(raw, float)):  # TOML's true, 2.7
+            raise _bad(o, raw, source, ini, f"is {'a boolean, ' if isinstance(raw, bool) else ''}not {what}", example)
         try:
             value = cast(raw)
         except (TypeError, ValueError):
-            raise pytest.UsageError(f"{name}={raw!r} is not {what}: e.g. {setting(o, source, example, ini)}") from None
+            raise _bad(o, raw, source, ini, f"is not {what}", example) from None
+        if not math.isfinite(value):  # float("nan") and float("inf") parse, and nan passes every comparison
+            raise _bad(o, raw, source, ini, "is not a finite number (0 means no limit)", example)
         if value < lowest:
-            raise pytest.UsageError(
-                f"{name}={raw!r} is below {lowest} ({'0 means no limit' if lowest == 0 else 'give a positive number'})")
+            raise _bad(o, raw, source, ini,
+                       f"is below {lowest} ({'0 means no limit' if lowest == 0 else 'give a positive number'})",
+                       example)
         return value
+    if typed:  # a path or a choice is a TOML string
+        raise _bad(o, raw, source, ini, "is not a string: write it in quotes", sep="; ")
     value = str(raw)
     if o.choices:
         if value.strip().lower() in o.choices:  # ON, Sim: as CUDAGRAPH_SANITIZE=STRICT is taken
             return value.strip().lower()
-        raise pytest.UsageError(f"{name}={value!r} is not one of: {', '.join(o.choices)}")
+        raise _bad(o, raw, source, ini, f"is not one of: {', '.join(o.choices)}", sep="; ")
+    if _quoted(raw, source, ini) is not None:  # a file named "r.json", quotes and all, is never meant
+        raise _bad(o, raw, source, ini, "is in quotes")
     return value
 
 
@@ -211,25 +262,30 @@ def unknown_variables(environ: Any) -> list[str]:
 
 def resolve(config: pytest.Config) -> dict[str, Any]:
     """Each setting's value, and in ``sources`` where it came from (cli, env, ini or default)."""
-    out: dict[str, Any] = {"sources": {}, "raw": {}}
     ini = ini_file(config)
+    out: dict[str, Any] = {"sources": {}, "raw": {}, "ini_file": ini}
+    errors = []  # every bad value at once: a CI round trip per typo is slow
     for o in OPTIONS:
         key = o.name.replace("-", "_")
-        candidates = (("cli", config.getoption("cudagraph_" + key)), ("env", os.environ.get(o.env)),
-                      ("ini", _ini(config, o.ini)))
-        for source, raw in candidates:
-            if raw not in (None, "", []):
+        out[key] = o.default
+        out["sources"][key] = "default"
+        try:
+            candidates = (("cli", config.getoption("cudagraph_" + key)), ("env", os.environ.get(o.env)),
+                          ("ini", _ini(config, o.ini, ini)))
+            source, raw = next(((source, raw) for source, raw in candidates if raw not in (None, "", [])),
+                               ("default", None))
+            if source != "default":
                 out[key] = _convert(o, raw, source, ini)
                 out["sources"][key] = source
                 out["raw"][key] = raw  # as the user wrote it, for messages
-                break
-        else:
-            out[key] = o.default
-            out["sources"][key] = "default"
+        except pytest.UsageError as e:
+            errors.append(str(e))
+    if errors:
+        raise pytest.UsageError("\n".join(errors))
     return out
 
 
-def _ini(config: pytest.Config, name: str) -> Any:
+def _ini(config: pytest.Config, name: str, ini: IniFile = PYTEST_INI) -> Any:
     """An ini key's value; in pytest 9's native ``[tool.pytest]`` TOML table a number or a boolean too (pytest
     refuses those for keys registered as strings; the conversion checks them as any other value)."""
     try:
@@ -238,8 +294,8 @@ def _ini(config: pytest.Config, name: str) -> Any:
         raw = getattr(getattr(config, "_inicfg", {}).get(name), "value", None)
         if isinstance(raw, (bool, int, float)):
             return raw
-        raise pytest.UsageError(f"ini key {name}={raw!r} is not a single value: give a string, a number or a "
-                                "boolean") from None
+        raise pytest.UsageError(f"ini key {name}={raw!r} is not a single value: give a string, a number or a boolean "
+                                f"(in the {ini.section} section of {ini.name})") from None
 
 
 def describe_source(s: dict[str, Any], key: str) -> str:

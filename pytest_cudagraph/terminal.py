@@ -15,7 +15,7 @@ from cudagraph_lifecycle.errors import (
 )
 from cudagraph_lifecycle.ledger import innermost_user_frames, ledger  # plain Python: no torch
 
-from .report import VERDICTS, findings, rows, totals
+from .report import VERDICTS, findings, lifecycle_line, rows, totals
 
 
 def _who(c: dict) -> str:
@@ -108,7 +108,7 @@ def lifecycle_section(tr: Any, state: dict, backend: str | None) -> None:
     t = totals(state)
     counts = ", ".join(f"{t[v]} {v}" for v in VERDICTS if t[v] or v in ("fresh", "held"))
     tr.write_line(f"{t['cycles']} engine cycle{'' if t['cycles'] == 1 else 's'}: {counts}; {t['failed_cycles']} failed; "
-                  f"{t['lifecycle_failures']} test(s) failed for lifecycle reasons; backend {backend}")
+                  f"{lifecycle_line(t)}; backend {backend}")
 
 
 def finding_lines(f: dict, nodeid: str, named: bool = True) -> list[str]:

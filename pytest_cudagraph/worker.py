@@ -37,6 +37,7 @@ from typing import Any
 
 from cudagraph_lifecycle.choices import SANITIZE_ENV_OFF
 from cudagraph_lifecycle.errors import TORCH_DEFAULT_STREAM_REFUSAL, TORCH_RANDOM_POISONED
+from cudagraph_lifecycle.ledger import is_machinery
 from cudagraph_lifecycle.sizes import size_text
 
 
@@ -657,16 +658,29 @@ def describe_hazards(hazards: list[dict]) -> str:
     return "\n" + "\n".join(lines)
 
 
-def _end_dropped(owner: int, proc, conn, stderr_path: str, tag: str, name: str) -> None:
-    """A worker garbage-collected without close(): end its child now, and say so. Only in the process that
-    started it: a forked process that collects its inherited copy of the worker must not end the parent's."""
+def _end_dropped(owner: int, proc, conn, stderr_path: str, tag: str, name: str,
+                 made_at: tuple[str, int] | None) -> None:
+    """A worker garbage-collected without close(): end its child now, and say so, at the line that made it
+    (a finalizer's caller is the collector, not user code). Only in the process that started it: a forked
+    process that collects its inherited copy of the worker must not end the parent's."""
     if os.getpid() != owner:
         return
     pid = proc.pid
     _end_child(proc, conn, stderr_path, tag)  # first: under -W error the warning raises
-    warnings.warn(f"ReusedWorker {name!r} (pid {pid}) was dropped without close(): its child and everything "
-                  "it started were killed. Close workers (or use them as context managers).", ResourceWarning,
-                  stacklevel=1)  # a finalizer's caller is the collector, not user code
+    text = (f"ReusedWorker {name!r} (pid {pid}) was dropped without close(): its child and everything it started "
+            "were killed. Close workers (or use them as context managers).")
+    if made_at is None:
+        warnings.warn(text, ResourceWarning, stacklevel=1)
+    else:
+        warnings.warn_explicit(text, ResourceWarning, made_at[0], made_at[1])
+
+
+def _made_at() -> tuple[str, int] | None:
+    """The file and line of the user's code that made a worker (the first frame outside the machinery)."""
+    f = sys._getframe(2)
+    while f is not None and is_machinery(f.f_code.co_filename):
+        f = f.f_back
+    return None if f is None else (f.f_code.co_filename, f.f_lineno)
 
 
 _live: weakref.WeakSet[ReusedWorker] = weakref.WeakSet()
@@ -720,6 +734,7 @@ class ReusedWorker:
         self.timeout_from: str | None = None  # where the timeout was set, for its report (the plugin's option)
         self.env = dict(env or {})
         self.name = name
+        self._made_at = _made_at()
         self.calls = 0
         self.restarts = 0
         self._proc = None
@@ -803,7 +818,7 @@ class ReusedWorker:
             # Dropped without close(), the child would live (and hold its GPU memory) until the session ends:
             # the child keeps a copy of this end of the pipe, so it never sees EOF.
             self._dropped = weakref.finalize(self, _end_dropped, os.getpid(), proc, parent, stderr_path, tag,
-                                             self.name)
+                                             self.name, self._made_at)
             self._dropped.atexit = False  # at exit close_all_workers ends live workers politely
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)

@@ -6,6 +6,7 @@ test with the argument named. Each row: the input, and the words the message mus
 """
 
 import json
+import os
 
 import pytest
 
@@ -33,8 +34,8 @@ OPTIONS = [
     ("growth negative cli", ["--cudagraph-max-growth=-5MiB"], {}, "", "--cudagraph-max-growth='-5MiB' is negative"),
     ("growth ini, the fix", [], {}, "cudagraph_max_growth = -1", "e.g. `cudagraph_max_growth = 64MiB` in the [pytest]"),
     ("growth units", [], {"CUDAGRAPH_MAX_GROWTH": "64MB5"}, "",
-     "CUDAGRAPH_MAX_GROWTH='64MB5' is not a size in bytes: give an integer, optionally with KiB, MiB or GiB (KB, MB, "
-     "GB are powers of 10), e.g. CUDAGRAPH_MAX_GROWTH=64MiB"),
+     "CUDAGRAPH_MAX_GROWTH='64MB5' is not a size in bytes: give a whole number of bytes, optionally with KiB, MiB or "
+     "GiB (KB, MB, GB are powers of 10; 1.5GiB where it comes to whole bytes), e.g. CUDAGRAPH_MAX_GROWTH=64MiB"),
     ("sanitize env", [], {"CUDAGRAPH_SANITIZE_MODE": "loud"}, "", "CUDAGRAPH_SANITIZE_MODE='loud' is not one of: off, on, strict"),
     ("expandable teardown cli", ["--cudagraph-expandable-teardown=ignore"], {}, "",
      "--cudagraph-expandable-teardown='ignore' is not one of: refuse, report"),
@@ -58,7 +59,7 @@ OPTIONS = [
     ("require gpu, the fix", ["--cudagraph-require-gpu"], {}, "",
      "Run on a GPU runner, or drop --cudagraph-require-gpu (on a CPU the default backend, auto, runs sim)"),
     ("require gpu ini, the fix", [], {}, "cudagraph_require_gpu = true",
-     "Run on a GPU runner, or remove cudagraph_require_gpu from the ini file"),
+     "Run on a GPU runner, or remove cudagraph_require_gpu from the [pytest] section of tox.ini"),
     ("require gpu, devices hidden", ["--cudagraph-require-gpu"], {"CUDA_VISIBLE_DEVICES": ""}, "",
      "no GPU, or CUDA_VISIBLE_DEVICES='' hiding them). Run on a GPU runner"),
     ("require gpu and sim", ["--cudagraph-require-gpu", "--cudagraph-backend=sim"], {}, "",
@@ -127,6 +128,118 @@ def test_an_ini_example_is_written_for_the_file_the_user_has(pytester, name, tex
     assert res.ret == pytest.ExitCode.USAGE_ERROR and words in res.stderr.str(), res.stderr.str()
 
 
+@pytest.mark.skipif(pytest.version_tuple < (9,), reason="the native [tool.pytest] table is pytest 9's")
+@pytest.mark.parametrize("text, words", [
+    ("cudagraph_timeout = true\ncudagraph_mpi_ranks = 2.7\n",  # both at once: one round trip, not two
+     ["ini key cudagraph_timeout=true is a boolean, not a number of seconds: e.g. `cudagraph_timeout = 120` in "
+      "the [tool.pytest] section of pyproject.toml",
+      "ini key cudagraph_mpi_ranks=2.7 is not an integer: e.g. `cudagraph_mpi_ranks = 2` in the [tool.pytest]"]),
+    ("cudagraph_mpi_ranks = true\n", ["ini key cudagraph_mpi_ranks=true is a boolean, not an integer"]),
+    ("cudagraph_max_growth = 1.0\n", ["ini key cudagraph_max_growth=1.0 is not a size in bytes"]),
+    ("cudagraph_require_gpu = 2\n", ["ini key cudagraph_require_gpu=2 is not a boolean: use 1/0, true/false, "
+                                     "yes/no, on/off; e.g. `cudagraph_require_gpu = true` in the [tool.pytest]"]),
+    ("cudagraph_sanitize = true\n", ["ini key cudagraph_sanitize=true is not a string: write it in quotes; e.g. "
+                                     "`cudagraph_sanitize = \"on\"` in the [tool.pytest] section of pyproject.toml"]),
+], ids=["bool timeout, float ranks", "bool ranks", "float size", "int bool", "bool choice"])
+def test_a_toml_value_of_the_wrong_type_is_refused_not_converted(pytester, text, words):
+    """``true`` was a 1 s timeout and 2.7 ranks were 2."""
+    pytester.makepyprojecttoml("[tool.pytest]\n" + text)
+    pytester.makepyfile(test_a=PLAIN_TEST)
+    res = pytester.runpytest_inprocess("-p", "cudagraph")
+    assert res.ret == pytest.ExitCode.USAGE_ERROR, res.stdout.str()
+    for w in words:
+        assert w in res.stderr.str(), res.stderr.str()
+
+
+@pytest.mark.parametrize("args, env, words", [
+    (["--cudagraph-timeout=nan"], {}, "--cudagraph-timeout='nan' is not a finite number (0 means no limit): e.g. "
+                                      "--cudagraph-timeout=120"),
+    (["--cudagraph-timeout=inf"], {}, "--cudagraph-timeout='inf' is not a finite number"),
+    ([], {"CUDAGRAPH_TIMEOUT": "-inf"}, "CUDAGRAPH_TIMEOUT='-inf' is not a finite number"),
+], ids=["nan", "inf", "-inf env"])
+def test_a_timeout_that_is_not_a_finite_number(pytester, monkeypatch, args, env, words):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    pytester.makepyfile(test_a=PLAIN_TEST)
+    res = pytester.runpytest_inprocess("-p", "cudagraph", *args)
+    assert res.ret == pytest.ExitCode.USAGE_ERROR and words in res.stderr.str(), res.stderr.str()
+
+
+@pytest.mark.parametrize("name, line, words", [
+    ("pytest.ini", 'cudagraph_sanitize = "strict"',
+     "ini key cudagraph_sanitize='\"strict\"' is not one of: off, on, strict; pytest.ini takes quotes literally, so "
+     "drop them: `cudagraph_sanitize = strict` in the [pytest] section of pytest.ini"),
+    ("tox.ini", "cudagraph_timeout = '30'", "tox.ini takes quotes literally, so drop them: `cudagraph_timeout = 30`"),
+    ("pytest.ini", 'cudagraph_require_gpu = "yes"', "drop them: `cudagraph_require_gpu = yes` in the [pytest]"),
+    ("pytest.ini", 'cudagraph_report = "r.json"', "ini key cudagraph_report='\"r.json\"' is in quotes; pytest.ini "
+                                                  "takes quotes literally, so drop them: `cudagraph_report = r.json`"),
+    # every kind of key names the file and its section, with the line to write
+    ("pytest.ini", "cudagraph_backend = tpu",
+     "ini key cudagraph_backend='tpu' is not one of: auto, cuda, sim; e.g. `cudagraph_backend = auto` in the "
+     "[pytest] section of pytest.ini"),
+    ("setup.cfg", "cudagraph_require_gpu = maybe",
+     "ini key cudagraph_require_gpu='maybe' is not a boolean: use 1/0, true/false, yes/no, on/off; e.g. "
+     "`cudagraph_require_gpu = true` in the [tool:pytest] section of setup.cfg"),
+    ("tox.ini", "cudagraph_expandable_teardown = allow",
+     "e.g. `cudagraph_expandable_teardown = refuse` in the [pytest] section of tox.ini"),
+], ids=["quoted choice", "quoted number", "quoted bool", "quoted path", "choice", "bool", "choice tox.ini"])
+def test_an_ini_error_names_the_file_and_the_line_to_write(pytester, name, line, words):
+    section = "[tool:pytest]" if name == "setup.cfg" else "[pytest]"
+    (pytester.path / name).write_text(f"{section}\n{line}\n")
+    pytester.makepyfile(test_a=PLAIN_TEST)
+    res = pytester.runpytest_inprocess("-p", "cudagraph")
+    assert res.ret == pytest.ExitCode.USAGE_ERROR and words in res.stderr.str(), res.stderr.str()
+
+
+@pytest.mark.parametrize("args, env, ini, words", [
+    (["--cudagraph-worker=mpi"], {}, "",
+     "--cudagraph-worker=mpi: no MPI runtime: mpiexec is not on PATH (e.g. apt-get install openmpi-bin), so every "
+     "engine_sequence test would be skipped. Install mpi4py and an MPI runtime, or choose fork: "
+     "--cudagraph-worker=fork"),
+    ([], {"CUDAGRAPH_WORKER_KIND": "mpi"}, "", "CUDAGRAPH_WORKER_KIND=mpi: no MPI runtime"),
+    ([], {}, "cudagraph_worker = mpi",
+     "or choose fork: `cudagraph_worker = fork` in the [pytest] section of tox.ini"),  # (makeini's file)
+], ids=["cli", "env", "ini"])
+def test_mpi_workers_chosen_without_mpi_stop_the_session(pytester, monkeypatch, args, env, ini, words):
+    """Not a session of skipped engine sequences that a CI gate passes; the default (fork) still runs them."""
+    monkeypatch.setenv("PATH", "/nonexistent")  # no mpiexec (mpi4py may be installed)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    if ini:
+        pytester.makeini(f"[pytest]\n{ini}\n")
+    pytester.makepyfile(test_a=PLAIN_TEST)
+    res = pytester.runpytest_inprocess("-p", "cudagraph", *args)
+    assert res.ret == pytest.ExitCode.USAGE_ERROR and words in res.stderr.str(), res.stderr.str()
+    monkeypatch.delenv("CUDAGRAPH_WORKER_KIND", raising=False)
+    (pytester.path / "tox.ini").unlink(missing_ok=True)
+    pytester.runpytest_inprocess("-p", "cudagraph").assert_outcomes(passed=1)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs a /proc, where no file can be made")
+def test_a_report_folder_where_no_file_can_be_made(pytester):
+    """/proc passes os.access for root: the check makes a file, so the session stops at its start, not at its
+    end with a traceback."""
+    pytester.makepyfile(test_a=PLAIN_TEST)
+    res = pytester.runpytest_inprocess("-p", "cudagraph", "--cudagraph-report=/proc/r.json")
+    assert res.ret == pytest.ExitCode.USAGE_ERROR, res.stdout.str()
+    assert "--cudagraph-report=/proc/r.json: the folder /proc is not writable" in res.stderr.str(), res.stderr.str()
+    assert "choose another path" in res.stderr.str()
+
+
+@pytest.mark.parametrize("terminal", [True, False], ids=["terminal", "no terminal"])
+def test_a_report_that_cannot_be_written_at_the_end_is_one_line(pytester, terminal):
+    """Its folder removed during the session: one line naming the option, exit code 4 for a passing session."""
+    (pytester.path / "out").mkdir()
+    pytester.makepyfile(test_a="import shutil\ndef test_x():\n    shutil.rmtree('out')\n")
+    res = pytester.runpytest_subprocess("-p", "cudagraph", "--cudagraph-report=out/r.json",
+                                        *([] if terminal else ["-p", "no:terminal"]))
+    assert res.ret == pytest.ExitCode.USAGE_ERROR
+    out = res.stdout.str() + res.stderr.str()
+    assert "Traceback" not in out and "cudagraph report: " not in out, out
+    words = "ERROR: cudagraph report not written: --cudagraph-report=out/r.json: No such file or directory"
+    assert words in (res.stdout.str() if terminal else res.stderr.str()), out
+
+
 @pytest.mark.parametrize("what, args, env, ini, words", OPTIONS, ids=[r[0] for r in OPTIONS])
 def test_options(pytester, monkeypatch, what, args, env, ini, words):
     for k, v in env.items():
@@ -150,7 +263,8 @@ FIXTURE_ARGS = [
      "cudagraph_engines(3, sanitise='strict'): takes n (positional or keyword) and scope, sanitize, ranks; "
      "unknown: sanitise"),
     ("budget size", "@pytest.mark.cudagraph(max_pool_bytes='lots')", "engine_sequence(good)",
-     "cudagraph(max_pool_bytes='lots'): give a size in bytes, an integer, optionally with KiB, MiB or GiB"),
+     "cudagraph(max_pool_bytes='lots'): give a size in bytes, a whole number of bytes, optionally with KiB, MiB or "
+     "GiB"),
     ("budget size negative", "@pytest.mark.cudagraph(max_pool_bytes='-5MiB')", "engine_sequence(good)",
      "cudagraph(max_pool_bytes='-5MiB'): negative; give a size >= 0"),
     ("marker ranks", "@pytest.mark.cudagraph_engines(ranks=0)", "engine_sequence(good)",

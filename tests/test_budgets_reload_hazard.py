@@ -63,7 +63,8 @@ def test_an_in_place_reload_passes(engine_sequence):
 def test_a_reload_that_raises_is_named(engine_sequence):
     def broken(engine):
         raise ValueError("no such checkpoint")
-    with pytest.raises(EngineCycleError, match="ValueError during reload: no such checkpoint"):
+    # named with the line that raised it (the traceback travels in the record's stacks)
+    with pytest.raises(EngineCycleError, match=r"ValueError during reload at .*test_a.py:[0-9]+ in broken: no such checkpoint"):
         engine_sequence(checked, 1, reload=broken)
 ''')
     res.assert_outcomes(passed=4)

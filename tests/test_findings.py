@@ -1,6 +1,7 @@
 """Findings a user can act on: each names the test and the line that captured into its pool, and what pins
 a pinned pool (a global, an attribute, a list, the autograd graph of a copy, a library workspace)."""
 
+import dataclasses
 import json
 import os
 import time
@@ -77,6 +78,26 @@ def test_an_attribute_and_a_list_item_are_named():
     (pin,) = what_pins(be, [key])
     assert pin.holder.startswith("a tensor (16,) float32 held as an item of a list")
     san.stop()
+
+
+def _decode_steps(y):
+    last = y  # a view of the pool, kept by the suspended generator
+    while True:
+        yield last.sum()
+
+
+def test_a_suspended_generator_and_who_keeps_it_are_named():
+    """A decode generator never exhausted: its frame keeps the output, and something keeps the generator."""
+    be, san, key = _pinned(lambda y: HELD.__setitem__("active", _decode_steps(y)) or next(HELD["active"]))
+    try:
+        (pin,) = what_pins(be, [key])
+        assert pin.cause == "python_reference", pin
+        assert "held as a local variable of the suspended generator _decode_steps (" in pin.holder
+        assert "test_findings.py:" in pin.holder and pin.holder.endswith(
+            "(key `active` of a dict (global `HELD` of module test_findings))"), pin.holder
+    finally:
+        HELD.clear()
+        san.stop()
 
 
 def test_a_buffer_of_a_module_is_named():
@@ -347,6 +368,47 @@ def test_a_session_wide_strict_sanitizer_fails_the_session_on_a_finding(pytester
     t = json.loads(report.read_text())["totals"]  # the documented gate agrees with the exit code
     assert (t["lifecycle_failures"], t["strict_session_findings"]) == ((1, 2) if rc else (0, 0))
     assert "cudagraph sanitizer: " not in res.stderr.str()  # reported under the tests, not again at exit
+
+
+ONE_ENGINE = """
+import torch
+from cudagraph_lifecycle import CUDAGraphRunner
+
+
+class Engine:
+    def __init__(self, backend):
+        self.w = backend.randn(8, 8)
+        self.runner = CUDAGraphRunner(lambda x: x @ self.w, batch_sizes=[2], feature_shape=(8,), backend=backend)
+
+    def run(self, x):
+        return self.runner.run(x)
+
+    def release(self):
+        self.runner.release()
+
+    def example_input(self):
+        return torch.ones(2, 8)
+
+
+def test_engines(engine_sequence):
+    engine_sequence(Engine, 1)
+"""
+
+
+def test_a_session_a_strict_sanitizer_failed_is_not_called_a_failed_test(pytester, monkeypatch):
+    """Every test passed, and CUDAGRAPH_SANITIZE=strict failed the session on its findings: the table's last
+    line says that, not that a test failed (the report's total still counts the session as one)."""
+    monkeypatch.setenv("CUDAGRAPH_SANITIZE", "strict")
+    monkeypatch.setenv("CUDAGRAPH_SANITIZE_BACKEND", "sim")
+    pytester.makepyfile(test_s=SESSION_TESTS, test_e=ONE_ENGINE)
+    report = pytester.path / "r.json"
+    res = pytester.runpytest_subprocess("-p", "cudagraph", "-p", "no:cacheprovider", "--cudagraph-backend=sim",
+                                        f"--cudagraph-report={report}")
+    res.assert_outcomes(passed=4)
+    assert res.ret == 1
+    res.stdout.fnmatch_lines(["1 engine cycle: *; 0 failed; 0 test(s) failed for lifecycle reasons, and the session "
+                              "failed on 2 strict sanitizer finding(s); backend sim"])
+    assert json.loads(report.read_text())["totals"]["lifecycle_failures"] == 1
 
 
 def test_without_the_plugin_the_findings_are_printed_when_pytest_exits(pytester, monkeypatch):
@@ -1250,6 +1312,7 @@ def test_a_capture_a_host_sync_broke_whose_error_the_engine_caught_is_an_error(c
     assert text.startswith(f"the engine caught the error and went on without that graph (eagerly): a capture{into} "
                            "began at ") and "gpu_cases.py" in text and "in capture" in text, text
     assert "failed when it ended" in text and "Move what broke the capture out of the captured code" in text
+    assert "contextlib.py" not in text, text  # the `with` statement's own frame is no place for the fix
 
 
 class OwnPoolEngine(KeptHandleEngine):
@@ -1332,3 +1395,154 @@ def test_leaked_reused_and_unreset_graphs_name_the_lines_that_captured(cudagraph
     assert "global `GRAPH_CACHE`" in kinds["graphs_not_reset"], kinds
     assert "release_incomplete" not in kinds, kinds  # the same graphs: said once, as never reset
     assert "(captured at " in kinds["leaked"] and "in capture" in kinds["leaked"], kinds
+
+
+@dataclasses.dataclass
+class DecodeOutput:
+    logits: torch.Tensor
+
+
+class DataclassOutputEngine(OwnPoolEngine):
+    """Returns its static output in a dataclass, as generate-style engines do. ``stale_input``: its replay
+    reads a buffer it replaced after the capture, so replay and eager differ."""
+
+    stale_input = False
+
+    def capture(self):
+        self.g = self.captured()
+        if self.stale_input:
+            self.w = self.be.randn(8)  # "resized" after the capture: the graph still reads the old one
+
+    def run(self, x):
+        self.g.replay()
+        return DecodeOutput(self.y)
+
+    def eager(self, x):
+        return DecodeOutput(self.w * 2)
+
+    def release(self):
+        self.g.reset()
+        self.g = self.y = None
+
+
+class Opaque:
+    def __init__(self, t):
+        self.t = t
+
+
+class StaleInputDataclassEngine(DataclassOutputEngine):
+    stale_input = True
+
+
+def test_a_dataclass_output_is_compared_with_eager_and_copied_by_a_dropping_caller(cudagraph_worker):
+    """Its tensors are compared (a replay that reads a replaced buffer differs), and a caller that copies
+    results out copies them: the engine is fresh, not blamed for the caller's own copy."""
+    (rec,) = cudagraph_worker.call(_cycles_of, DataclassOutputEngine, 1, "drop")
+    assert rec["verdict"] == "fresh" and not rec["problems"], rec
+    (rec,) = cudagraph_worker.call(_cycles_of, StaleInputDataclassEngine, 1, "drop")
+    assert [p["kind"] for p in rec["problems"]] == ["replay_mismatch"], rec
+
+
+def test_an_output_the_comparison_cannot_see_into_is_a_usage_error():
+    from cudagraph_lifecycle.cycle.steps import max_abs_err
+    from cudagraph_lifecycle.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"no tensor the replay-versus-eager comparison can reach \(inside a Opaque\)"):
+        max_abs_err(Opaque(torch.ones(2)), Opaque(torch.zeros(2)))
+    assert max_abs_err(("a", 1), ("a", 1)) == 0.0  # plain values only: nothing hidden
+
+
+class ReleaseRaises(OwnPoolEngine):
+    def capture(self):
+        self.graphs = {1: self.captured(), 2: self.captured()}
+
+    def release(self):
+        for k in self.graphs:  # changes the dict it walks: raises after the first reset
+            self.graphs.pop(k).reset()
+
+
+def test_an_engine_error_names_the_line_that_raised_it(cudagraph_worker):
+    (rec,) = cudagraph_worker.call(_cycles_of, ReleaseRaises, 1, "drop")
+    err = next(p for p in rec["problems"] if p["kind"] == "error")
+    line = next(i for i, s in enumerate(open(__file__), 1) if "self.graphs.pop(k).reset()" in s) - 1
+    assert err["message"] == (f"RuntimeError during release at {__file__}:{line} in release: dictionary changed "
+                              "size during iteration"), err
+    (stack,) = err["stacks"]
+    assert stack.startswith("--- the engine's traceback ---") and "for k in self.graphs" in stack, stack
+    # the graph release() left is named with who held it then (the engine, through the harness's wrapper)
+    left = next(p for p in rec["problems"] if p["kind"] == "release_incomplete")
+    assert "held then as key `2` of a dict (attribute `graphs` of a ReleaseRaises object (the engine the factory " \
+           "built))" in left["message"], left
+
+
+MODELS = {}
+
+
+class KeepsOtherOutputs(OwnPoolEngine):
+    """Two graphs in one pool; a module-level model cache keeps both static outputs after release, and the
+    caller holds the one `run` returned: the other is pinned whatever the caller does."""
+
+    def capture(self):
+        be, h = self.be, self.be.graph_pool_handle()
+        self.graphs, outs = [], []
+        for scale in (2, 3):
+            g = be.new_graph()
+            with be.stream(be.capture_stream(0)):
+                g.capture_begin(pool=h)
+                outs.append(self.w * scale)
+                g.capture_end()
+            self.graphs.append(g)
+        MODELS["static_outputs"] = outs
+
+    def run(self, x):
+        self.graphs[0].replay()
+        return MODELS["static_outputs"][0]
+
+    def eager(self, x):
+        return self.w * 2
+
+    def release(self):
+        for g in self.graphs:
+            g.reset()
+        self.graphs = []
+
+
+class KeepsOnlyTheHeldOutput(KeepsOtherOutputs):
+    def release(self):
+        super().release()
+        MODELS["static_outputs"] = MODELS["static_outputs"][:1]  # only what the caller holds too
+
+
+def test_blocks_the_held_output_does_not_hold_are_leaked_at_once(cudagraph_worker):
+    """hold: the caller's output explains only its own block; the other one, kept by a global cache, is
+    leaked now (the next engine might replace that cache and hide it), named without the caller's output."""
+    (rec,) = cudagraph_worker.call(_cycles_of, KeepsOtherOutputs, 1, "hold")
+    assert rec["verdict"] == "leaked", rec
+    (p,) = rec["problems"]
+    assert "and not only for the output the caller holds: 512 bytes pinned by a tensor (8,) float32 held as an " \
+           "item of a list (key `static_outputs` of a dict (global `MODELS` of module test_findings))" in p["message"]
+    assert "the output the caller holds" not in p["message"].split("caller holds: ", 1)[1], p["message"]
+
+
+def test_an_output_the_caller_holds_alone_is_held(cudagraph_worker):
+    (rec,) = cudagraph_worker.call(_cycles_of, KeepsOnlyTheHeldOutput, 1, "hold")
+    assert rec["verdict"] == "held" and not rec["problems"], rec
+
+
+class MisDeclares(OwnPoolEngine):
+    """Its pool_ids() names a pool it never captured into, and not the one it did."""
+
+    def capture(self):
+        self.g = self.captured()
+
+    def pool_ids(self):
+        return [(0, (0, 99))]
+
+
+def test_a_pool_ids_mismatch_names_the_line_that_captured_into_the_hidden_pool(cudagraph_worker):
+    (rec,) = cudagraph_worker.call(_cycles_of, MisDeclares, 1, "drop")
+    msgs = [p["message"] for p in rec["problems"] if p["kind"] == "pool_ids_mismatch"]
+    assert msgs[0] == "pool_ids() names [(0, (0, 99))], which it did not capture into", msgs
+    assert msgs[1].startswith("pool_ids() hides [(0, (0, 1))], which it captured into (captured at ") \
+        and "test_findings.py" in msgs[1] and "in captured)" in msgs[1], msgs
+    assert rec["verdict"] == "fresh" and not rec["failed"]  # a mismatch fails only under strict

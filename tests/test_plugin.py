@@ -2,6 +2,9 @@
 
 import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -83,6 +86,11 @@ def test_engine_sequence_summary_and_report(pytester):
     (t,) = data["tests"]
     assert t["outcome"] == "passed" and len(t["cycles"]) == 3
     assert len({c["pid"] for c in t["cycles"]}) == 1 and data["meta"]["effective_backend"] == "sim"
+    from importlib import metadata
+
+    meta = data["meta"]  # what ran the engines, and which plugin
+    assert (meta["worker"], meta["mpi_ranks"], meta["timeout"]) == ("fork", 2, 300.0), meta
+    assert meta["plugin_version"] == metadata.version("pytest-cudagraph")
     # the worker's first capture is marked cold (its process's first use of torch), the later ones not
     assert [c["cold"] for c in t["cycles"]] == [True, False, False]
     res.stdout.fnmatch_lines(["*test_seq *0 *[0-9][*] *held", "[*] the first capture in its worker process*"])
@@ -287,6 +295,13 @@ def test_xdist_two_workers(pytester):
     report = pytester.path / "r.json"
     res = run(pytester, "-n", "2", f"--cudagraph-report={report}")
     res.assert_outcomes(passed=4)
+    # the controller collects nothing: it prints its workers' header lines, once each (they agree)
+    import pytest_cudagraph
+
+    res.stdout.fnmatch_lines(["cudagraph: backend=auto (effective sim), gpus=0, workers start by *, "
+                              "engines held by fork",
+                              f"cudagraph: plugin from {os.path.dirname(os.path.abspath(pytest_cudagraph.__file__))}"])
+    assert sum(line.startswith("cudagraph:") for line in res.stdout.lines) == 2, res.stdout.str()
     res.stdout.fnmatch_lines(["8 engine cycles: 0 fresh, 8 held; 0 failed*; backend sim"])
     data = json.loads(report.read_text())
     assert data["totals"]["cycles"] == 8
@@ -509,3 +524,68 @@ def test_a_misspelled_variable_is_warned_with_the_name_that_is_read(pytester, mo
                               "CUDAGRAPH_SANITIZE?*",
                               "*CUDAGRAPH_WORKER is set but nothing of pytest-cudagraph reads it: did you mean "
                               "CUDAGRAPH_WORKER_KIND?*"], consecutive=False)
+
+
+def test_strict_with_expandable_teardown_report_is_warned_and_reported_as_applied(pytester):
+    """strict always refuses the teardown: a warning names both settings, and the report says what the
+    workers do (and what was set)."""
+    pytester.makeini("[pytest]\ncudagraph_sanitize = strict\ncudagraph_expandable_teardown = report\n")
+    pytester.makepyfile(test_a="def test_x(): pass")
+    report = pytester.path / "r.json"
+    res = run(pytester, f"--cudagraph-report={report}", "-W", "always::pytest.PytestConfigWarning")
+    res.assert_outcomes(passed=1, warnings=1)
+    res.stdout.fnmatch_lines(["*PytestConfigWarning: ini key cudagraph_expandable_teardown=report is overridden by "
+                              "ini key cudagraph_sanitize=strict: strict always refuses*; drop one of them"])
+    meta = json.loads(report.read_text())["meta"]
+    assert (meta["expandable_teardown"], meta["expandable_teardown_set"]) == ("refuse", "report"), meta
+    res = run(pytester, f"--cudagraph-report={report}", "--cudagraph-sanitize=on",
+              "-W", "always::pytest.PytestConfigWarning")
+    res.assert_outcomes(passed=1)  # no warning: report is what on does
+    assert json.loads(report.read_text())["meta"]["expandable_teardown"] == "report"
+
+
+def test_the_failures_line_tells_failed_tests_from_a_session_strict_findings_failed():
+    from pytest_cudagraph.report import lifecycle_line
+
+    # a program-wide strict sanitizer failed a session whose tests all passed: lifecycle_failures counts it as 1
+    t = {"lifecycle_failures": 1, "strict_session_findings": 2}
+    assert lifecycle_line(t) == ("0 test(s) failed for lifecycle reasons, and the session failed on 2 strict "
+                                 "sanitizer finding(s)")
+    assert lifecycle_line({"lifecycle_failures": 3, "strict_session_findings": 1}).startswith(
+        "2 test(s) failed for lifecycle reasons, and the session failed on 1 strict")
+    assert lifecycle_line({"lifecycle_failures": 0, "strict_session_findings": 0}) == \
+        "0 test(s) failed for lifecycle reasons"
+
+
+def _gate_script() -> str:
+    import re
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    (block,) = [b for b in re.findall(r"^```bash\n(.*?)^```$", readme, re.M | re.S) if "lifecycle_failures" in b]
+    return block
+
+
+@pytest.mark.parametrize("pytest_exit, lifecycle_failures, job_fails, words", [
+    (0, 0, False, None),
+    (1, 1, True, "1 lifecycle failure(s): see reports/cudagraph.json"),  # read after pytest failed too
+    (1, 0, True, None),  # a failure of another kind still fails the job
+    (0, 2, True, "2 lifecycle failure(s)"),
+], ids=["green", "lifecycle", "other failure", "report only"])
+def test_the_readmes_ci_gate_reads_the_report_whatever_pytest_returned(tmp_path, pytest_exit, lifecycle_failures,
+                                                                        job_fails, words):
+    """The gate's report check runs also where pytest failed (under ``set -e`` it never ran)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "pytest"  # stands for the session: writes the report, exits as told
+    fake.write_text(f"""#!/bin/sh
+echo '{{"totals": {{"lifecycle_failures": {lifecycle_failures}}}}}' > reports/cudagraph.json
+exit {pytest_exit}
+""")
+    fake.chmod(0o755)
+    (bin_dir / "python3").symlink_to(sys.executable)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    p = subprocess.run(["bash", "-e", "-c", _gate_script()], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert (p.returncode != 0) == job_fails, p.stdout + p.stderr
+    if words:
+        assert words in p.stderr, p.stderr

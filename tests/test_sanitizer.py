@@ -80,6 +80,55 @@ def test_a_stale_pool_error_names_what_pins_the_pool(sim):
     assert "(python_reference): drop that reference" in first
 
 
+def test_a_pool_no_block_keeps_is_dead_until_a_flush_and_the_error_says_so(sim):
+    """Every block freed, no cache flush since the reset: still dead (the allocator still has it), and the
+    error says that, not that a tensor pins it; outside any engine both fixes are offered."""
+    be, _, c = sim
+    h = be.graph_pool_handle()
+    g = be.new_graph()
+    c.step(g, h)  # the output is dropped at once
+    g.reset()
+    assert be.pool_state(h, 0).allocated_bytes == 0 < be.pool_state(h, 0).reserved_bytes
+    with pytest.raises(StalePoolError) as e:
+        c.step(be.new_graph(), h)
+    first = str(e.value).splitlines()[0]
+    assert "no block of it is alive: no cache flush (empty_cache) ran since its last graph was reset" in first
+    assert "pins" not in first and "a new pool id" in first and "capture the new graph before resetting" in first
+
+
+def _recaptures_in_one_engine():
+    """An engine that evicts its one graph and recaptures into the same pool (an LRU of one)."""
+    from cudagraph_lifecycle.cycle import run_cycle
+
+    class Evicting:
+        def __init__(self, be):
+            self.be, self.c, self.h = be, Ctx(be), be.graph_pool_handle()
+            self.g = be.new_graph()
+            self.c.step(self.g, self.h)
+
+        def run(self, x):
+            self.g.reset()  # evicted: the pool's last graph
+            self.g = self.be.new_graph()
+            self.c.step(self.g, self.h)  # recaptured into the same pool: stale
+            return x
+
+        def release(self):
+            self.g.reset()
+
+        def example_input(self):
+            return torch.ones(2)
+
+    (rec,) = run_cycle(Evicting, "sim", 0)
+    return rec["verdict"], rec["problems"][0]["message"]
+
+
+def test_a_recapture_within_the_engine_that_made_the_pool_gets_the_recapture_fix(cudagraph_worker):
+    verdict, message = cudagraph_worker.call(_recaptures_in_one_engine)
+    assert verdict == "stale", message
+    assert "The engine that made the pool captures into it again after resetting all its graphs" in message
+    assert "Mint a fresh pool per engine" not in message
+
+
 def test_a_refused_stale_capture_is_a_finding_even_when_the_error_was_caught(sim):
     """An engine that catches the StalePoolError and runs eagerly hides it from its caller: the finding
     names the line that tried, and that the sanitizer refused it."""

@@ -319,11 +319,15 @@ def test_a_worker_dropped_without_close_ends_its_child_at_once():
     import gc
 
     w = ReusedWorker(start_method="fork")
+    made = sys._getframe().f_lineno - 1
     pid = w.call(os.getpid)
-    with pytest.warns(ResourceWarning, match="dropped without close"):
+    with pytest.warns(ResourceWarning, match="dropped without close") as caught:
         del w
         gc.collect()
     assert gone(pid)
+    # the warning points at the line that made the worker, not at our finalizer
+    (warning,) = [w for w in caught if issubclass(w.category, ResourceWarning)]
+    assert (warning.filename, warning.lineno) == (__file__, made), (warning.filename, warning.lineno)
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the finalizer's raised warning

@@ -74,6 +74,23 @@ class ExpandableSegmentsHazardError(CudaGraphLifecycleError):
 
 # the fix for a pool id kept across engines, in every message that finds one
 FRESH_POOL_FIX = "Mint a fresh pool per engine (cudagraph_lifecycle.LazyPool) instead of keeping its id"
+RECAPTURE_FIX = ("The engine that made the pool captures into it again after resetting all its graphs (an eviction, "
+                 "a recapture at a new size): capture the new graph before resetting the old one (a pool lives "
+                 "while one of its graphs is captured), or give the recapture a new pool id (graph_pool_handle() "
+                 "again, or a new LazyPool)")
+
+
+
+
+def stale_fix(owner: str | None, scope: str | None) -> str:
+    """The fix for a capture into a dead pool: a kept id across engines, or a recapture within the engine
+    that made the pool (``owner``, the scope that minted it, is the capturing ``scope``); both where no
+    engine scope tells them apart (a program outside the plugin)."""
+    if owner is not None and scope is not None:
+        return RECAPTURE_FIX if owner == scope else FRESH_POOL_FIX
+    return ("Give each capture that follows the reset of all of a pool's graphs a new pool id (graph_pool_handle() "
+            "again, or a LazyPool per engine), or capture the new graph before resetting the old one (a pool lives "
+            "while one of its graphs is captured)")
 
 
 def first_line(e: BaseException) -> str:

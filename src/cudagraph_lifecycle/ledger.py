@@ -85,7 +85,7 @@ def _machinery_dirs() -> tuple[str, ...]:
 
 def is_machinery(filename: str) -> bool:
     """Whether a frame of ``filename`` is the machinery's (this package, the plugin, pytest, pluggy,
-    multiprocessing, mpi4py, Python's frozen modules), not the user's."""
+    multiprocessing, mpi4py, Python's frozen modules, contextlib), not the user's."""
     return _machinery(filename)
 
 
@@ -93,7 +93,9 @@ def is_machinery(filename: str) -> bool:
 def _machinery(filename: str) -> bool:
     if filename.startswith("<frozen "):  # runpy and the import system, as Python runs them frozen
         return True
-    return os.path.abspath(filename).startswith(_machinery_dirs())  # (a code object's file may be relative)
+    path = os.path.abspath(filename)  # (a code object's file may be relative)
+    # a `with` statement's own frame (contextlib's __enter__/__exit__) is never where the user's fix goes
+    return path.startswith(_machinery_dirs()) or path == os.path.abspath(contextlib.__file__)
 
 
 def shown_traceback(exc: BaseException) -> str:

@@ -6,7 +6,8 @@ import re
 
 # binary units are what the allocator rounds to; decimal ones are what a data sheet says
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
-SIZE_HELP = "an integer, optionally with KiB, MiB or GiB (KB, MB, GB are powers of 10)"
+SIZE_HELP = ("a whole number of bytes, optionally with KiB, MiB or GiB (KB, MB, GB are powers of 10; 1.5GiB "
+             "where it comes to whole bytes)")
 _SIZE = re.compile(r"\s*(-?)\s*(\d+)(?:\.(\d+))?\s*([a-zA-Z]*)\s*", re.ASCII)
 
 

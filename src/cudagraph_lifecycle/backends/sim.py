@@ -203,9 +203,13 @@ class SimMemPool:
             self.release()
 
 
-@dataclass
 class _Slot:
-    index: int
+    """A recorded op's argument that is an earlier op's output (a leaf to trees.map_leaves, not a dataclass)."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int):
+        self.index = index
 
 
 @dataclass

@@ -16,6 +16,7 @@ from ..errors import ConfigError
 from ..ledger import ledger
 from ..sanitizer import global_sanitizer
 from ..sanitizer.findings import PREVENTED_KINDS
+from ..sanitizer.pins import graph_holder
 from ..sizes import size_text
 from .caller import OUTPUT_MODES, caller_copy, caller_of
 from .engine import PROTOCOL, Engine, check_pool_ids
@@ -94,6 +95,7 @@ def run_cycle(
     since = ledger.seq
     engine = y = declared = None
     released_left: list = []  # graphs of this engine still captured right after its release()
+    released_holder = None  # who held them then
     with ledger.engine_scope(label):
         try:
             engine = build(factory, be)
@@ -129,6 +131,8 @@ def run_cycle(
             except Exception as e:
                 failed(e, rec, be, since, "release")
             released_left = [g for g in ledger.live_graphs(be.world) if g.scope == label]
+            if released_left:  # who holds them now, before the engine goes (then nobody can tell)
+                released_holder = graph_holder(released_left)
     if rec.poisoned:
         return [r.as_dict() for r in done] + [rec.as_dict()]
     kept = y if output == "hold" else (None if y is None else caller_copy(y))
@@ -136,7 +140,7 @@ def run_cycle(
     graph_bytes = dict(runner.stats.graph_bytes) if hasattr(runner, "stats") else None
     del engine, y, runner
     settle(be)
-    pools = judge(be, rec, kept, output == "hold", declared, released_left)
+    pools = judge(be, rec, kept, output == "hold", declared, released_left, released_holder)
     budget(rec, graph_bytes, max_pool_bytes, max_captures, require_replay)
     delta = be.default_pool_reserved(0) - default_before
     # growth is what the engine left behind; the default pool can also shrink over an engine, when memory held

@@ -35,6 +35,9 @@ class Engine:
     """An engine object seen through the protocol; a wrong shape is a :class:`ConfigError` naming the
     missing piece."""
 
+    # how a finding names what this wrapper holds (sanitizer/pins.py): in the user's words
+    HOLDER_WORDS = {"obj": "the engine the factory built"}
+
     def __init__(self, obj: Any):
         kind = type(obj).__name__
         run = _method(obj, "run")

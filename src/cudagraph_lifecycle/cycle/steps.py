@@ -29,9 +29,10 @@ from ..errors import (
     StalePoolError,
     exception_chain,
     first_line,
+    stale_fix,
 )
-from ..ledger import SITES, Key, Stack, graph_sites, ledger
-from ..sanitizer.pins import describe, graph_holder, mempool_notes, what_pins
+from ..ledger import SITES, Key, Stack, graph_sites, is_user_file, ledger, shown_traceback
+from ..sanitizer.pins import describe, graph_holder, mempool_notes, pinned_beyond, what_pins
 from ..sanitizer.stale import pinned_by, side_stream_fix
 from ..sizes import size_text
 from ..trees import leaves
@@ -139,11 +140,21 @@ def budget(rec: CycleRecord, graph_bytes: dict[str, int] | None, max_pool_bytes:
                 "no graph was captured or replayed: the engine ran eagerly (require_replay=True)")
 
 
+_PLAIN = (int, float, complex, bool, str, bytes, type(None))
+OUTPUT_HELD = "the output the caller holds"
+
+
 def max_abs_err(a: Any, b: Any) -> float:
-    fa = [t for t in leaves(a) if isinstance(t, torch.Tensor)]
-    fb = [t for t in leaves(b) if isinstance(t, torch.Tensor)]
+    la, lb = leaves(a), leaves(b)
+    fa = [t for t in la if isinstance(t, torch.Tensor)]
+    fb = [t for t in lb if isinstance(t, torch.Tensor)]
     if len(fa) != len(fb):
         raise ConfigError(f"replay returned {len(fa)} tensor(s), eager(x) {len(fb)}: they must return the same")
+    opaque = next((x for x in la + lb if not isinstance(x, (torch.Tensor, *_PLAIN))), None)
+    if not fa and opaque is not None:  # nothing would be compared: say so rather than report a match
+        raise ConfigError(f"run(x) and eager(x) returned no tensor the replay-versus-eager comparison can reach "
+                          f"(inside a {type(opaque).__qualname__}): return tensors in tuples, lists, dicts, named "
+                          "tuples or dataclasses, or leave eager() out")
     errs = [float((x.detach().float() - y.detach().float()).abs().max()) if x.numel() else 0.0
             for x, y in zip(fa, fb)]
     return max(errs, default=0.0)
@@ -191,7 +202,8 @@ def failed(e: BaseException, rec: CycleRecord, be: Backend, since: int, step: st
             if a is not None:
                 msg += (f" -- a capture into pool {a.key[2]} on device {a.key[1]}"
                         f"{f' at {a.site}' if a.site else ''}, dead since its last graph was "
-                        f"released{f' (made by {a.owner})' if a.owner else ''}. {STALE_FIX}\n" + "".join(a.stacks()))
+                        f"released{f' (made by {a.owner})' if a.owner else ''}. {stale_fix(a.owner, a.scope)}; "
+                        f"{SANITIZER_STOPS_IT}\n" + "".join(a.stacks()))
         rec.add("stale", msg)
         return
     hint = ""
@@ -199,11 +211,25 @@ def failed(e: BaseException, rec: CycleRecord, be: Backend, since: int, step: st
         hint = (" -- the engine uses CUDA itself, and this run has no GPU (backend sim): mark its test "
                 "@pytest.mark.gpu to skip it where there is none, or build it through the backend it is given "
                 "(backend.torch_device(0), backend.randn, backend.new_graph)")
-    rec.add("error", f"{type(e).__name__} during {step}: {first}{hint}")
+    at = _raised_at(e)
+    rec.add("error", f"{type(e).__name__} during {step}{f' at {at}' if at else ''}: {first}{hint}",
+            stacks=[f"--- the engine's traceback ---\n{shown_traceback(e)}"])
 
 
-STALE_FIX = (f"{FRESH_POOL_FIX}; a PoolSanitizer (in the pytest plugin: --cudagraph-sanitize=on or strict) "
-             "refuses such a capture before the allocator asserts, and the process stays usable")
+def _raised_at(e: BaseException) -> str:
+    """``file:line in function`` of the innermost frame of the user's code in ``e``'s traceback (the engine's
+    line, not torch's nor ours), or ''."""
+    tb, at = e.__traceback__, ""
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if is_user_file(code.co_filename):
+            at = f"{code.co_filename}:{tb.tb_lineno} in {code.co_name}"
+        tb = tb.tb_next
+    return at
+
+
+SANITIZER_STOPS_IT = ("a PoolSanitizer (in the pytest plugin: --cudagraph-sanitize=on or strict) refuses such a "
+                      "capture before the allocator asserts, and the process stays usable")
 
 
 def _poisoned_by_refusal(be: Backend) -> str:
@@ -274,7 +300,7 @@ def caught_stale(rec: CycleRecord, be: Backend, since: int) -> None:
         what += "".join(f"; {note}" for note in mempool_notes([a.key]).values())
     rec.add("stale", f"a capture into stale pool {a.key[2]} on device {a.key[1]} at {a.site or '(unknown)'}, whose "
                      f"error the engine caught (it went on without its graphs): {what}."
-                     f"{f' The pool was made by {a.owner}.' if a.owner else ''} {FRESH_POOL_FIX}.\n"
+                     f"{f' The pool was made by {a.owner}.' if a.owner else ''} {stale_fix(a.owner, a.scope)}.\n"
                      + "".join(a.stacks()))
 
 
@@ -326,9 +352,9 @@ def _stacks(be: Backend, pools: list[Key]) -> list[str]:
 
 
 def judge(be: Backend, rec: CycleRecord, output: Any, hold: bool, declared: list | None,
-          released_left: list = ()) -> list[Key]:
+          released_left: list = (), released_holder: str | None = None) -> list[Key]:
     """After release and settle: the engine's graphs (never reset, or left captured by ``release()``:
-    ``released_left``, the ledger's entries of that moment), its pools from the ledger, their bytes, reuse, the
+    ``released_left``, the ledger's entries of that moment, held then as ``released_holder``), its pools from the ledger, their bytes, reuse, the
     cross-check. Returns the pools (the caller's next check reads them)."""
     label = rec.engine
     keys = ledger.pools_of_scope(be.world, label)
@@ -350,6 +376,7 @@ def judge(be: Backend, rec: CycleRecord, output: Any, hold: bool, declared: list
         rec.add("release_incomplete",
                 f"release() left {len(released_left)} graph(s) captured"
                 + (f" (at {', '.join(sites)})" if sites else "")
+                + (f", held then as {released_holder}" if released_holder else "")
                 + ": reset them in release(); until they are reset (or collected), whoever holds them keeps "
                 "their pools")
     left = {k: be.pool_state(k[2], k[1]).reserved_bytes for k in keys}
@@ -363,11 +390,21 @@ def judge(be: Backend, rec: CycleRecord, output: Any, hold: bool, declared: list
                           f"still hold {size_text(kept)}: "
                 + "; ".join(by_mempool.values()), kept, _stacks(be, list(by_mempool)))
     total = sum(left.values())
-    if total and hold and output is not None:
+    pinned = [k for k, b in left.items() if b]
+    held = [t for t in leaves(output) if isinstance(t, torch.Tensor)]
+    if total and hold and output is not None and not pinned_beyond(be, pinned, held):
         rec.held_bytes = total  # judged again once the caller drops it (check_held)
+    elif total and hold and output is not None:  # blocks the output does not hold: pinned whatever the caller does
+        rec.leaked_bytes = total
+        known = {id(t): OUTPUT_HELD for t in held}
+        pins = [p for p in what_pins(be, pinned, known) if OUTPUT_HELD not in p.holder]
+        why = "; ".join(([describe(pins)] if pins else []) + list(mempool_notes(pinned).values())) or \
+            "something else pins them"
+        rec.add("leaked", f"after release its pools {[k[2] for k in pinned]}{_captured_at(pinned)} still hold "
+                          f"{size_text(total)}, and not only for the output the caller holds: " + why,
+                total, _stacks(be, list(keys)), [p.as_dict() for p in pins])
     elif total:
         rec.leaked_bytes = total
-        pinned = [k for k, b in left.items() if b]
         known = {id(t): "the copy of its output the caller keeps" for t in leaves(output)}
         pins = what_pins(be, pinned, known)
         why = "; ".join(([describe(pins)] if pins else []) + list(mempool_notes(pinned).values())) or \
@@ -389,7 +426,9 @@ def judge(be: Backend, rec: CycleRecord, output: Any, hold: bool, declared: list
         if said - seen:
             rec.add("pool_ids_mismatch", f"pool_ids() names {sorted(said - seen)}, which it did not capture into")
         if seen - said:
-            rec.add("pool_ids_mismatch", f"pool_ids() hides {sorted(seen - said)}, which it captured into")
+            hidden = [k for k in keys if (k[1], k[2]) in seen - said]
+            rec.add("pool_ids_mismatch", f"pool_ids() hides {sorted(seen - said)}, which it captured into"
+                                         f"{_captured_at(hidden)}")
     rec.settle_verdict()
     return keys
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..backends import Backend, PoolId
-from ..errors import FRESH_POOL_FIX
+from ..errors import stale_fix
 from ..ledger import Stack, graph_sites, ledger
 from ..sizes import size_text
 from .stale import side_stream_fix
@@ -81,7 +81,7 @@ def collect(backend: Backend, since: int = 0, scope: str | None = None) -> list[
             out.append(Finding(
                 "stale_capture", a.key[2], a.key[1], 0,
                 f"a capture into pool {a.key[2]}{made} at {a.site or '(unknown)'}, after all its graphs were "
-                f"released: {what}. {FRESH_POOL_FIX}", tuple(a.stacks()), a.owner, (a.site,) if a.site else (), tuple(t for t in (a.test,) if t)))
+                f"released: {what}. {stale_fix(a.owner, a.scope)}", tuple(a.stacks()), a.owner, (a.site,) if a.site else (), tuple(t for t in (a.test,) if t)))
     unreleased: dict[tuple, list] = {}  # one finding per pool, engine and test, however many graphs
     for g in ledger.live_graphs(world):
         if g.seq > since and (scope is None or g.scope == scope):

@@ -33,12 +33,14 @@ from ..ledger import Key, is_machinery, is_user_file, ledger
 from ..sizes import size_text
 
 _AUTOGRAD_NODES = 20000  # autograd nodes walked at most
+_TENSOR_DEPTH = 5  # holders named up from a pinned tensor (a buffer, its module, a dict, an engine, a global)
 _LIBRARY_NODES = 16  # objects of a library's closures walked through at most, up to what the user holds
 
 FIXES = {
     "python_reference": "drop that reference (or keep a .clone() made under torch.no_grad()) before the release",
     "autograd_history": "capture (and run) under torch.no_grad() or torch.inference_mode(), or keep only "
-                        ".detach()ed copies of outputs",
+                        ".detach()ed copies of outputs (grad mode is per thread: a capture in another thread, "
+                        "such as an executor's, needs its own no_grad)",
     "library_workspace": "cuBLAS keeps a workspace per thread's handle and stream (32 MiB on the H200), made by "
                          "the first matmul there; one made inside a capture stays in its pool for good. Warm up "
                          "forward AND backward on the capture stream before the first capture (torch.cuda.graph "
@@ -86,18 +88,15 @@ def what_pins(backend: Backend, keys: list[Key], known: dict[int, str] | None = 
     ignore = {id(tensors), id(sys._getframe())}
     known = known or {}
 
-    def name(t: Any) -> str | None:
-        return known.get(id(t)) or _holder(t, ignore)
+    def name(t: Any) -> str | None:  # up to what the user can drop: a global, an engine's attribute
+        return known.get(id(t)) or _holder(t, ignore, _TENSOR_DEPTH)
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # deprecated module attributes warn when touched
-        for t in tensors:
-            hit = [i for i in _blocks_of(backend, t, blocks) if i not in owner]
-            held_as = name(t) if hit else None  # a tensor no Python object names is held from C++ (autograd)
-            for i in hit:
-                if held_as is not None:
-                    owner[i] = ("python_reference", f"a tensor {_shape(t)} held as {held_as}")
-        blind = _autograd(backend, tensors, blocks, owner, name) if len(owner) < len(blocks) else None
+    global _memo
+    outer, _memo = _memo, {} if _memo is None else _memo  # the objects stay alive meanwhile: ids are stable
+    try:
+        blind = _name_owners(backend, tensors, blocks, owner, name)
+    finally:
+        _memo = outer
     del tensors
     if len(owner) < len(blocks) and clear_workspaces:
         _workspaces(backend, keys, blocks, owner)
@@ -111,6 +110,44 @@ def what_pins(backend: Backend, keys: list[Key], known: dict[int, str] | None = 
         grouped[(cause, holder)] = grouped.get((cause, holder), 0) + size
     pins = [Pin(cause, n, holder, FIXES[cause]) for (cause, holder), n in grouped.items()]
     return sorted(pins, key=lambda p: -p.bytes)
+
+
+def _name_owners(backend: Backend, tensors: list, blocks: list[tuple], owner: dict, name) -> str | None:
+    """The Python holders of the blocks' tensors, then the autograd graphs' (``_autograd``'s return)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # deprecated module attributes warn when touched
+        for t in tensors:
+            hit = [i for i in _blocks_of(backend, t, blocks) if i not in owner]
+            held_as = name(t) if hit else None  # a tensor no Python object names is held from C++ (autograd)
+            for i in hit:
+                if held_as is not None:
+                    owner[i] = ("python_reference", f"a tensor {_shape(t)} held as {held_as}")
+        return _autograd(backend, tensors, blocks, owner, name) if len(owner) < len(blocks) else None
+
+
+def pinned_beyond(backend: Backend, keys: list[Key], roots: list) -> bool:
+    """Whether a live block of the pools ``keys`` lies outside the storages of ``roots`` (the tensors a caller
+    holds) and of the tensors their autograd graphs saved: then something else pins it too. Cheap (the books
+    and the roots' own graphs, no search of the heap); False where the backend cannot list blocks."""
+    blocks = [(*b.span, b.size, k[1]) for k in keys for b in backend.live_blocks(k[2], k[1]) if b.span]
+    if not blocks:
+        return False
+    covered: set[int] = set()
+    seen: set[int] = set()
+    visited: list = []  # node objects are made on each access: keep them, or an id is reused
+    todo = [getattr(t, "grad_fn", None) for t in roots]
+    for t in roots:
+        covered.update(_blocks_of(backend, t, blocks))
+    while todo and len(seen) < _AUTOGRAD_NODES and len(covered) < len(blocks):
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        visited.append(node)
+        for t in _saved(node)[0]:
+            covered.update(_blocks_of(backend, t, blocks))
+        todo += [f for f, _ in getattr(node, "next_functions", ())]
+    return len(covered) < len(blocks)
 
 
 def _held_as(ref: weakref.ref, depth: int) -> str | None:
@@ -191,10 +228,11 @@ def _holder(obj: Any, ignore: set[int], depth: int = 3) -> str | None:
                 return _class_attribute(owner, key)
             if owner is not None:
                 return _attribute(owner, key, ignore | {id(ref)}, depth)
+            held = _module_slot(ref, ignore | {id(ref)})
+            if held is not None:  # a torch module's buffer, parameter or submodule: one level, not three
+                kind, mod = held
+                return f"{kind} `{key}` of a {type(mod).__qualname__} object" + _up(mod, ignore | {id(ref)}, depth)
             what, up = f"key `{key}` of a dict", _up(ref, ignore, depth)
-            for attr, kind in (("_buffers", "buffer"), ("_parameters", "parameter")):  # a torch module's
-                if up.startswith(f" (attribute `{attr}` of "):
-                    return f"{kind} `{key}` of " + up[len(f" (attribute `{attr}` of "):-1]
         elif isinstance(ref, (list, tuple, set)):
             what, up = f"an item of a {type(ref).__name__}", _up(ref, ignore, depth)
         elif isinstance(ref, types.FrameType):
@@ -203,6 +241,14 @@ def _holder(obj: Any, ignore: set[int], depth: int = 3) -> str | None:
             # not by name: reading a running frame's f_locals (before Python 3.13) stores a snapshot of its
             # locals on the frame, which would keep them alive after the function drops them
             return f"a local variable of {ref.f_code.co_name} ({ref.f_code.co_filename}:{ref.f_lineno})"
+        elif isinstance(ref, (types.GeneratorType, types.CoroutineType, types.AsyncGeneratorType)):
+            frame = getattr(ref, "gi_frame", None) or getattr(ref, "cr_frame", None) or getattr(ref, "ag_frame", None)
+            if frame is None:
+                continue
+            kind = {types.GeneratorType: "generator", types.CoroutineType: "coroutine"}.get(type(ref), "async generator")
+            # its locals, as of the line where it is suspended; the fix is whoever keeps it unfinished
+            what, up = (f"a local variable of the suspended {kind} {frame.f_code.co_name} "
+                        f"({frame.f_code.co_filename}:{frame.f_lineno})"), _up(ref, ignore, depth)
         elif isinstance(ref, types.CellType):
             owner = _cell_owner(ref)
             if owner is None:
@@ -343,12 +389,37 @@ def _frozen_holders(obj: Any) -> list:
     return out
 
 
+_memo: dict[tuple[int, int], str] | None = None  # during what_pins: (id, depth) -> words, for holders shared by many
+
+
 def _up(obj: Any, ignore: set[int], depth: int) -> str:
     """`` (<who holds obj>)`` one level up, or nothing."""
     if depth <= 1:
         return ""
+    key = (id(obj), depth)
+    if _memo is not None and key in _memo:
+        return _memo[key]
     up = _holder(obj, ignore, depth - 1)
-    return f" ({up})" if up else ""
+    out = f" ({up})" if up else ""
+    if _memo is not None:
+        _memo[key] = out
+    return out
+
+
+_MODULE_SLOTS = (("_buffers", "buffer"), ("_parameters", "parameter"), ("_modules", "submodule"))
+
+
+def _module_slot(d: dict, ignore: set[int]) -> tuple[str, torch.nn.Module] | None:
+    """(``buffer``/``parameter``/``submodule``, the module) where ``d`` is a torch module's dict of those."""
+    for ref in gc.get_referrers(d):
+        if id(ref) in ignore or type(ref) is not dict:
+            continue
+        kind = next((k for attr, k in _MODULE_SLOTS if ref.get(attr) is d), None)
+        if kind is not None:
+            mod = _dict_owner(ref, ignore | {id(ref)}, "", _USER)  # (no class namespace holds _USER)
+            if isinstance(mod, torch.nn.Module):
+                return kind, mod
+    return None
 
 
 def _dict_owner(d: dict, ignore: set[int], key: Any, obj: Any) -> Any:

@@ -4,7 +4,7 @@ and (under expandable segments) the reset of a pool's last graph while blocks of
 from __future__ import annotations
 
 from ..backends import Backend
-from ..errors import FRESH_POOL_FIX, DefaultStreamCaptureError, ExpandableSegmentsHazardError, StalePoolError
+from ..errors import DefaultStreamCaptureError, ExpandableSegmentsHazardError, StalePoolError, stale_fix
 from ..ledger import DefaultStreamCapture, StaleAttempt, TeardownHazard
 from ..sizes import size_text
 
@@ -30,7 +30,8 @@ def stale_error(backend: Backend, attempt: StaleAttempt) -> StalePoolError:
         why.append(
             f"the device allocator still holds it ({size_text(st.reserved_bytes)} in {st.segments} segment(s)"
             + (f": {pinned_by(backend, attempt)})" if st.allocated_bytes else
-               ": a live tensor from its captures pins it)" if st.reserved_bytes else "; empty_cache has not run)")
+               "; no block of it is alive: no cache flush (empty_cache) ran since its last graph was reset)"
+               if st.reserved_bytes else "; empty_cache has not run)")
         )
     if attempt.host_dead:
         why.append("the host allocator's ledger still has the id (torch._C._host_emptyCache has not run)")
@@ -40,7 +41,7 @@ def stale_error(backend: Backend, attempt: StaleAttempt) -> StalePoolError:
         f"capture into stale pool {tuple(pool_id)} on device {device}{at}: all its graphs were released, but "
         + " and ".join(why)
         + ". The real capture_begin would fail with 'use_count > 0 INTERNAL ASSERT FAILED' and poison the "
-        f"process.{made_by} {FRESH_POOL_FIX}.\n" + "".join(attempt.stacks())
+        f"process.{made_by} {stale_fix(attempt.owner, attempt.scope)}.\n" + "".join(attempt.stacks())
     )
     err.pool_id, err.device, err.owner, err.site = tuple(pool_id), device, attempt.owner, attempt.site
     return err
