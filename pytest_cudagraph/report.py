@@ -62,6 +62,9 @@ def record(state: dict, rep: pytest.TestReport) -> None:
         entry.setdefault("failed_phases", []).append(rep.when)
     elif rep.skipped and entry["outcome"] == "passed":
         entry["outcome"] = "xfailed" if hasattr(rep, "wasxfail") else "skipped"
+        reason = rep.wasxfail if hasattr(rep, "wasxfail") else \
+            rep.longrepr[2] if isinstance(rep.longrepr, tuple) and len(rep.longrepr) == 3 else str(rep.longrepr)
+        entry["reason"] = str(reason).removeprefix("Skipped: ")
     elif rep.when == "call" and hasattr(rep, "wasxfail"):
         entry["outcome"] = "xpassed"
     for name, value in rep.user_properties:
@@ -92,16 +95,26 @@ def strict_session_findings(state: dict, shared_workers: bool = False) -> int:
     return sum(1 for nodeid, _ in found if outcome.get(nodeid) not in ("xfailed", "skipped"))
 
 
-def totals(state: dict) -> dict[str, int]:
+OUTCOMES = ("passed", "failed", "error", "skipped", "xfailed", "xpassed")
+
+
+def lifecycle_failure(t: dict) -> bool:
+    """Whether test entry ``t`` FAILED for lifecycle reasons: a failed engine cycle or a strict finding (an
+    xfailed or passed test's failed cycles were expected, or caught)."""
+    return t["outcome"] in ("failed", "error") and (any(c.get("failed") for c in t["cycles"])
+                                                    or bool(t.get("strict_failure")))
+
+
+def totals(state: dict) -> dict[str, Any]:
     cycles = rows(state)
     out = {"tests": len(state["tests"]), "cycles": len(cycles)}
     for v in VERDICTS:
         out[v] = sum(1 for _, c in cycles if c.get("verdict") == v)
     out["failed_cycles"] = sum(1 for _, c in cycles if c.get("failed"))
     out["sanitizer_findings"] = len(findings(state))
-    out["lifecycle_failures"] = sum(
-        1 for t in state["tests"].values()
-        if t["outcome"] in ("failed", "error") and (any(c.get("failed") for c in t["cycles"]) or t.get("strict_failure")))
+    # tests by outcome: a gate tells a session that ran nothing (all skipped) from a clean one
+    out["outcomes"] = {o: sum(1 for t in state["tests"].values() if t["outcome"] == o) for o in OUTCOMES}
+    out["lifecycle_failures"] = sum(1 for t in state["tests"].values() if lifecycle_failure(t))
     out["strict_session_findings"] = state.get("strict_findings", 0)
     out["lifecycle_failures"] += out["strict_session_findings"] > 0
     return out
@@ -144,7 +157,7 @@ def write(path: str, s: dict, state: dict, exitstatus: int) -> None:
             "plugin_version": _version("pytest-cudagraph"),
             "exitstatus": int(exitstatus),
         },
-        "tests": list(state["tests"].values()),
+        "tests": [{**t, "lifecycle_failure": lifecycle_failure(t)} for t in state["tests"].values()],
         "sanitizer": state.get("session_findings", []),
         "totals": totals(state),
     }

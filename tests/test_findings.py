@@ -1467,12 +1467,14 @@ def test_an_engine_error_names_the_line_that_raised_it(cudagraph_worker):
     line = next(i for i, s in enumerate(open(__file__), 1) if "self.graphs.pop(k).reset()" in s) - 1
     assert err["message"] == (f"RuntimeError during release at {__file__}:{line} in release: dictionary changed "
                               "size during iteration"), err
+    assert err["sites"] == [f"{__file__}:{line} in release"], err  # for a gate to annotate the line
     (stack,) = err["stacks"]
     assert stack.startswith("--- the engine's traceback ---") and "for k in self.graphs" in stack, stack
     # the graph release() left is named with who held it then (the engine, through the harness's wrapper)
     left = next(p for p in rec["problems"] if p["kind"] == "release_incomplete")
     assert "held then as key `2` of a dict (attribute `graphs` of a ReleaseRaises object (the engine the factory " \
            "built))" in left["message"], left
+    assert left["sites"] and left["sites"][0].endswith("in captured"), left
 
 
 MODELS = {}

@@ -82,9 +82,11 @@ def test_engine_sequence_summary_and_report(pytester):
     data = json.loads(report.read_text())
     assert data["totals"] == {"tests": 1, "cycles": 3, "fresh": 0, "held": 3, "leaked": 0, "stale": 0, "reused": 0,
                               "error": 0, "failed_cycles": 0, "lifecycle_failures": 0,
-                              "sanitizer_findings": 0, "strict_session_findings": 0}
+                              "sanitizer_findings": 0, "strict_session_findings": 0,
+                              "outcomes": {"passed": 1, "failed": 0, "error": 0, "skipped": 0, "xfailed": 0,
+                                           "xpassed": 0}}
     (t,) = data["tests"]
-    assert t["outcome"] == "passed" and len(t["cycles"]) == 3
+    assert t["outcome"] == "passed" and len(t["cycles"]) == 3 and t["lifecycle_failure"] is False
     assert len({c["pid"] for c in t["cycles"]}) == 1 and data["meta"]["effective_backend"] == "sim"
     from importlib import metadata
 
@@ -155,6 +157,33 @@ def test_leaky_engine_is_leaked_when_the_caller_copies(pytester):
     res = run_failing_sequence(pytester, "leaky, 2, output='drop'")
     res.stdout.fnmatch_lines(["*EngineCycleError: engine 0: verdict leaked*", "*no output the caller holds pins*",
                               "*test_seq*2.0M*leaked FAILED"])
+
+
+def test_the_report_says_what_a_gate_needs_per_test_and_per_problem(pytester):
+    """Which test failed for lifecycle reasons, why a test was skipped, and the user's lines each problem is
+    about (to annotate them), not only inside its message."""
+    pytester.makepyfile(test_a='''
+        import pytest
+        from engines_mod import leaky
+
+        def test_leaks(engine_sequence):
+            engine_sequence(leaky, 1, output="drop")
+
+        @pytest.mark.skip(reason="no checkpoint on this runner")
+        def test_skipped():
+            pass
+    ''')
+    report = pytester.path / "r.json"
+    res = run(pytester, f"--cudagraph-report={report}")
+    res.assert_outcomes(failed=1, skipped=1)
+    data = json.loads(report.read_text())
+    tests = {t["nodeid"].split("::")[1]: t for t in data["tests"]}
+    assert tests["test_leaks"]["lifecycle_failure"] is True and tests["test_skipped"]["lifecycle_failure"] is False
+    assert tests["test_skipped"]["reason"] == "no checkpoint on this runner", tests["test_skipped"]
+    assert data["totals"]["outcomes"]["failed"] == 1 and data["totals"]["outcomes"]["skipped"] == 1
+    (leaked,) = [p for p in tests["test_leaks"]["cycles"][0]["problems"] if p["kind"] == "leaked"]
+    assert leaked["sites"] and all(":" in s and " in " in s for s in leaked["sites"]), leaked
+    assert leaked["sites"][0].split(" in ")[0].rsplit(":", 1)[0].endswith(".py"), leaked["sites"]
 
 
 def test_factory_error_and_bad_n(pytester):

@@ -196,16 +196,27 @@ def _library_dirs() -> tuple[str, ...]:
     return tuple(dirs)
 
 
+def raised_site(exc: BaseException) -> str:
+    """``file:line in function`` of the innermost frame of the user's code in ``exc``'s traceback (not ours,
+    torch's or the standard library's); "" where there is none."""
+    tb, site = exc.__traceback__, ""
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if is_user_file(code.co_filename):
+            site = f"{code.co_filename}:{tb.tb_lineno} in {code.co_name}"
+        tb = tb.tb_next
+    return site
+
+
 def raised_at(exc: BaseException) -> str:
-    """``file:line in function: Type: message`` of the innermost frame of the user's code in ``exc``'s
-    traceback (not ours, torch's or the standard library's); "" where there is none."""
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if is_user_file(f.filename)]
-    if not frames:
+    """``file:line in function: Type: message`` (:func:`raised_site`, and what was raised there); "" where
+    no frame is the user's."""
+    site = raised_site(exc)
+    if not site:
         return ""
     from .errors import first_line
 
-    f = frames[-1]
-    return f"{f.filename}:{f.lineno} in {f.name}: {type(exc).__name__}: {first_line(exc)}"
+    return f"{site}: {type(exc).__name__}: {first_line(exc)}"
 
 
 def is_user_file(filename: str) -> bool:

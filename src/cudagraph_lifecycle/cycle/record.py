@@ -36,6 +36,7 @@ class Problem:
     bytes: int = 0
     stacks: list[str] = field(default_factory=list)
     pins: list[dict] = field(default_factory=list)  # what pins a leaked pool (sanitizer.pins.Pin as dicts)
+    sites: list[str] = field(default_factory=list)  # the user's lines it is about (file:line in function)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -76,8 +77,9 @@ class CycleRecord:
             self.pool_ids.append(entry)
 
     def add(self, kind: str, message: str, nbytes: int = 0, stacks: list[str] | None = None,
-            pins: list[dict] | None = None) -> None:
-        self.problems.append(Problem(kind, message, nbytes, list(stacks or []), list(pins or [])))
+            pins: list[dict] | None = None, sites: list[str] | None = None) -> None:
+        self.problems.append(Problem(kind, message, nbytes, list(stacks or []), list(pins or []),
+                                     [s for s in sites or [] if s]))
         self.settle_verdict()
 
     def settle_verdict(self) -> None:

@@ -31,7 +31,7 @@ from ..errors import (
     first_line,
     stale_fix,
 )
-from ..ledger import SITES, Key, Stack, graph_sites, is_user_file, ledger, shown_traceback
+from ..ledger import SITES, Key, Stack, graph_sites, ledger, raised_site, shown_traceback
 from ..sanitizer.pins import describe, graph_holder, mempool_notes, pinned_beyond, what_pins
 from ..sanitizer.stale import pinned_by, side_stream_fix
 from ..sizes import size_text
@@ -184,7 +184,8 @@ def failed(e: BaseException, rec: CycleRecord, be: Backend, since: int, step: st
         rec.poisoned = True
         seen = ledger.torch_refusals(since, (be.world,))
         at = f" at {seen[-1].site}" if seen and seen[-1].site else ""
-        rec.add("error", f"{type(e).__name__} during {step}{at}: {first} -- {_poisoned_by_refusal(be)}")
+        rec.add("error", f"{type(e).__name__} during {step}{at}: {first} -- {_poisoned_by_refusal(be)}",
+                sites=[seen[-1].site] if seen else [])
         return
     if stale is not None or asserted:
         a = attempts[-1] if attempts else None
@@ -204,28 +205,16 @@ def failed(e: BaseException, rec: CycleRecord, be: Backend, since: int, step: st
                         f"{f' at {a.site}' if a.site else ''}, dead since its last graph was "
                         f"released{f' (made by {a.owner})' if a.owner else ''}. {stale_fix(a.owner, a.scope)}; "
                         f"{SANITIZER_STOPS_IT}\n" + "".join(a.stacks()))
-        rec.add("stale", msg)
+        rec.add("stale", msg, sites=[a.site if a is not None else getattr(stale, "site", "")])
         return
     hint = ""
     if be.name == "sim" and any(m in str(e) for m in NO_CUDA_MARKERS):
         hint = (" -- the engine uses CUDA itself, and this run has no GPU (backend sim): mark its test "
                 "@pytest.mark.gpu to skip it where there is none, or build it through the backend it is given "
                 "(backend.torch_device(0), backend.randn, backend.new_graph)")
-    at = _raised_at(e)
+    at = raised_site(e)
     rec.add("error", f"{type(e).__name__} during {step}{f' at {at}' if at else ''}: {first}{hint}",
-            stacks=[f"--- the engine's traceback ---\n{shown_traceback(e)}"])
-
-
-def _raised_at(e: BaseException) -> str:
-    """``file:line in function`` of the innermost frame of the user's code in ``e``'s traceback (the engine's
-    line, not torch's nor ours), or ''."""
-    tb, at = e.__traceback__, ""
-    while tb is not None:
-        code = tb.tb_frame.f_code
-        if is_user_file(code.co_filename):
-            at = f"{code.co_filename}:{tb.tb_lineno} in {code.co_name}"
-        tb = tb.tb_next
-    return at
+            stacks=[f"--- the engine's traceback ---\n{shown_traceback(e)}"], sites=[at])
 
 
 SANITIZER_STOPS_IT = ("a PoolSanitizer (in the pytest plugin: --cudagraph-sanitize=on or strict) refuses such a "
@@ -248,7 +237,7 @@ def refused_on_default_stream(rec: CycleRecord, be: Backend, since: int) -> None
     if seen:
         rec.poisoned = True
         rec.add("error", f"a capture on the default stream at {seen[-1].site or '(unknown)'}, whose error the engine "
-                f"caught: {_poisoned_by_refusal(be)}")
+                f"caught: {_poisoned_by_refusal(be)}", sites=[seen[-1].site])
 
 
 FAILED_CAPTURE = "failed when it ended"  # words of the problem below: it is added once a cycle
@@ -276,7 +265,8 @@ def failed_capture(rec: CycleRecord, be: Backend, since: int, raised: str | None
                      "CUDA RNG's capture open (eager random ops fail until a later capture ends): the worker is "
                      "replaced. Move what broke the capture out of the captured code: a host sync (.item(), "
                      ".cpu(), .tolist(), a print of a tensor, a branch on a tensor's value) or an op that cannot "
-                     "be captured." + (f"\n--- the capture began at ---\n{f.at}" if f.at else ""))
+                     "be captured." + (f"\n--- the capture began at ---\n{f.at}" if f.at else ""),
+            sites=[f.site, f.broken_at.split(": ", 1)[0]])
 
 
 def caught_stale(rec: CycleRecord, be: Backend, since: int) -> None:
@@ -301,7 +291,7 @@ def caught_stale(rec: CycleRecord, be: Backend, since: int) -> None:
     rec.add("stale", f"a capture into stale pool {a.key[2]} on device {a.key[1]} at {a.site or '(unknown)'}, whose "
                      f"error the engine caught (it went on without its graphs): {what}."
                      f"{f' The pool was made by {a.owner}.' if a.owner else ''} {stale_fix(a.owner, a.scope)}.\n"
-                     + "".join(a.stacks()))
+                     + "".join(a.stacks()), sites=[a.site])
 
 
 def check_held(be: Backend, caller: Caller, current: set[Key]) -> CycleRecord | None:
@@ -325,25 +315,35 @@ def check_held(be: Backend, caller: Caller, current: set[Key]) -> CycleRecord | 
             "something else pins them"
         rec.add("leaked", f"once the caller dropped this engine's output, its pools "
                           f"{[k[2] for k in pools]}{_captured_at(pools)} still held {size_text(left)}: " + why,
-                left, _stacks(be, pools), [p.as_dict() for p in pins])
+                left, _stacks(be, pools), [p.as_dict() for p in pins], _pool_sites(pools))
     else:
         rec.settle_verdict()
     return rec
 
 
-def _captured_at(pools: list[Key]) -> str:
-    """`` (captured at file:line in function, ...)``: where the user's code captured into these pools."""
+def _pool_sites(pools: list[Key]) -> list[str]:
+    """Where the user's code captured into these pools (file:line in function), at most SITES of them."""
     sites: list[str] = []
     for k in pools:
         e = ledger.pools.get(k)
         sites += [s for s in (e.capture_sites() if e is not None else []) if s not in sites]
-    return f" (captured at {', '.join(sites[:SITES])})" if sites else ""
+    return sites[:SITES]
+
+
+def _captured_at(pools: list[Key]) -> str:
+    """`` (captured at file:line in function, ...)``: where the user's code captured into these pools."""
+    sites = _pool_sites(pools)
+    return f" (captured at {', '.join(sites)})" if sites else ""
+
+
+def _minted_site(key: Key) -> str:
+    e = ledger.pools.get(key)
+    m = e.minted_at if e is not None else None
+    return m.site() if isinstance(m, Stack) else ""
 
 
 def _minted_at(key: Key) -> str:
-    e = ledger.pools.get(key)
-    m = e.minted_at if e is not None else None
-    site = m.site() if isinstance(m, Stack) else ""
+    site = _minted_site(key)
     return f", its id minted at {site}" if site else ""
 
 
@@ -370,7 +370,7 @@ def judge(be: Backend, rec: CycleRecord, output: Any, hold: bool, declared: list
                 + (f" (at {', '.join(sites)})" if sites else "") + " were never reset: "
                 + (f"one is held as {held_by}; reset them in release() or drop that reference" if held_by else
                    "something still holds them after release (a module global, a cache of graphs)"),
-                0, [str(not_reset[0].captured_at)])
+                0, [str(not_reset[0].captured_at)], sites=sites)
     elif released_left:  # still captured right after release(), gone since (collected with the engine)
         sites = graph_sites(released_left)
         rec.add("release_incomplete",
@@ -378,7 +378,7 @@ def judge(be: Backend, rec: CycleRecord, output: Any, hold: bool, declared: list
                 + (f" (at {', '.join(sites)})" if sites else "")
                 + (f", held then as {released_holder}" if released_holder else "")
                 + ": reset them in release(); until they are reset (or collected), whoever holds them keeps "
-                "their pools")
+                "their pools", sites=sites)
     left = {k: be.pool_state(k[2], k[1]).reserved_bytes for k in keys}
     # a pool whose MemPool object someone still holds stays whatever the caller drops (and the next engine may
     # capture into it, so it would never be judged again): leaked now, held output or not
@@ -388,7 +388,8 @@ def judge(be: Backend, rec: CycleRecord, output: Any, hold: bool, declared: list
         rec.leaked_bytes += kept
         rec.add("leaked", f"after release its pools {[k[2] for k in by_mempool]}{_captured_at(list(by_mempool))} "
                           f"still hold {size_text(kept)}: "
-                + "; ".join(by_mempool.values()), kept, _stacks(be, list(by_mempool)))
+                + "; ".join(by_mempool.values()), kept, _stacks(be, list(by_mempool)),
+                sites=_pool_sites(list(by_mempool)))
     total = sum(left.values())
     pinned = [k for k, b in left.items() if b]
     held = [t for t in leaves(output) if isinstance(t, torch.Tensor)]
@@ -402,7 +403,7 @@ def judge(be: Backend, rec: CycleRecord, output: Any, hold: bool, declared: list
             "something else pins them"
         rec.add("leaked", f"after release its pools {[k[2] for k in pinned]}{_captured_at(pinned)} still hold "
                           f"{size_text(total)}, and not only for the output the caller holds: " + why,
-                total, _stacks(be, list(keys)), [p.as_dict() for p in pins])
+                total, _stacks(be, list(keys)), [p.as_dict() for p in pins], _pool_sites(pinned))
     elif total:
         rec.leaked_bytes = total
         known = {id(t): "the copy of its output the caller keeps" for t in leaves(output)}
@@ -412,13 +413,13 @@ def judge(be: Backend, rec: CycleRecord, output: Any, hold: bool, declared: list
         rec.add("leaked", f"after release its pools {[k[2] for k in pinned]}{_captured_at(pinned)} still hold "
                           f"{size_text(total)} that no "
                           "output the caller holds pins: " + why,
-                total, _stacks(be, list(keys)), [p.as_dict() for p in pins])
+                total, _stacks(be, list(keys)), [p.as_dict() for p in pins], _pool_sites(pinned))
     for k in keys:
         earlier = [s for s in ledger.scopes_of(*k) if s != label]
         if earlier:
             rec.add("reused", f"captured into pool {k[2]} on device {k[1]}{_captured_at([k])}{_minted_at(k)}, which "
                               f"{earlier[0]} captured into and released: a kept pool handle (latent: it asserts once "
-                              f"something pins that pool). {FRESH_POOL_FIX}")
+                              f"something pins that pool). {FRESH_POOL_FIX}", sites=_pool_sites([k]) + [_minted_site(k)])
     if declared is not None:
         rec.declared_pool_ids = [[d, list(p)] for d, p in declared]
         seen = {(k[1], k[2]) for k in keys}
@@ -428,7 +429,7 @@ def judge(be: Backend, rec: CycleRecord, output: Any, hold: bool, declared: list
         if seen - said:
             hidden = [k for k in keys if (k[1], k[2]) in seen - said]
             rec.add("pool_ids_mismatch", f"pool_ids() hides {sorted(seen - said)}, which it captured into"
-                                         f"{_captured_at(hidden)}")
+                                         f"{_captured_at(hidden)}", sites=_pool_sites(hidden))
     rec.settle_verdict()
     return keys
 
