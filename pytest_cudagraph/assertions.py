@@ -51,13 +51,19 @@ def assert_fresh_pool(backend: Backend, pool_id, previous: list | tuple = (), de
         assert_pool_released(backend, p, device)
 
 
-def check_record(rec: dict) -> None:
-    """Raise :class:`EngineCycleError` if an engine cycle failed: its verdict and every problem, in full."""
+def check_record(rec: dict, also: list[dict] = ()) -> None:
+    """Raise :class:`EngineCycleError` if an engine cycle failed: its verdict and every problem, in full, and
+    which other engines of the sequence (``also``: their records) failed too."""
     __tracebackhide__ = operator.methodcaller("errisinstance", EngineCycleError)  # the engine's failure: the test's line
     if not rec.get("failed"):
         return
     who = f"worker pid {rec.get('pid')}" + (f", rank {rec['rank']}" if rec.get("rank") is not None else "")
     pools = ", ".join(str(tuple(p[1])) for p in rec.get("pool_ids") or []) or "none observed"
     problems = "\n".join(f"- {p['kind']}: {p['message']}" for p in rec.get("problems") or []) or "- (none recorded)"
+    others = [r for r in also if r.get("failed") and r is not rec]
+    more = ("\nalso failed: " + ", ".join(f"engine {r['index']}"
+                                          + (f" (rank {r['rank']})" if r.get("rank") is not None else "")
+                                          + f" ({r.get('verdict', '?')})" for r in others)
+            + " (the lifecycle table and the report have each one's problems)") if others else ""
     raise EngineCycleError(
-        f"engine {rec['index']}: verdict {rec.get('verdict', '?')} ({who}; pools {pools}):\n{problems}")
+        f"engine {rec['index']}: verdict {rec.get('verdict', '?')} ({who}; pools {pools}):\n{problems}{more}")

@@ -159,6 +159,15 @@ def test_leaky_engine_is_leaked_when_the_caller_copies(pytester):
                               "*test_seq*2.0M*leaked FAILED"])
 
 
+def test_a_sequences_error_names_every_engine_that_failed(pytester):
+    """Held outputs are judged a cycle late, so by the end several engines may have failed: the error shows
+    the first in full and names the others."""
+    res = run_failing_sequence(pytester, "leaky, 3")
+    res.stdout.fnmatch_lines(["*EngineCycleError: engine 0: verdict leaked*",
+                              "*also failed: engine 1 (leaked), engine 2 (leaked) (the lifecycle table and the report "
+                              "have each one's problems)"])
+
+
 def test_the_report_says_what_a_gate_needs_per_test_and_per_problem(pytester):
     """Which test failed for lifecycle reasons, why a test was skipped, and the user's lines each problem is
     about (to annotate them), not only inside its message."""
