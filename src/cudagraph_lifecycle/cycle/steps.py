@@ -418,8 +418,10 @@ def judge(be: Backend, rec: CycleRecord, output: Any, hold: bool, declared: list
         earlier = [s for s in ledger.scopes_of(*k) if s != label]
         if earlier:
             rec.add("reused", f"captured into pool {k[2]} on device {k[1]}{_captured_at([k])}{_minted_at(k)}, which "
-                              f"{earlier[0]} captured into and released: a kept pool handle (latent: it asserts once "
-                              f"something pins that pool). {FRESH_POOL_FIX}", sites=_pool_sites([k]) + [_minted_site(k)])
+                              f"{earlier[0]} captured into and released: a kept pool handle (latent here, since the "
+                              "pool was erased in between: it asserts once something pins that pool, or where no "
+                              "cache flush runs between the release and the next capture, as with a raw "
+                              f"capture_begin; torch.cuda.graph flushes first). {FRESH_POOL_FIX}", sites=_pool_sites([k]) + [_minted_site(k)])
     if declared is not None:
         rec.declared_pool_ids = [[d, list(p)] for d, p in declared]
         seen = {(k[1], k[2]) for k in keys}
