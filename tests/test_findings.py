@@ -1313,6 +1313,9 @@ def test_a_capture_a_host_sync_broke_whose_error_the_engine_caught_is_an_error(c
                            "began at ") and "gpu_cases.py" in text and "in capture" in text, text
     assert "failed when it ended" in text and "Move what broke the capture out of the captured code" in text
     assert "contextlib.py" not in text, text  # the `with` statement's own frame is no place for the fix
+    # sim refuses the host sync at the op, as CUDA does: the line that broke the capture is named too
+    assert "; inside it " in text and "gpu_cases.py" in text.split("; inside it ")[1].split(":")[0] \
+        and " in forward: RuntimeError: " in text, text
 
 
 class OwnPoolEngine(KeptHandleEngine):
