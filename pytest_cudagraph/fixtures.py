@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from .mpi import MPIRanks
-from .report import FINDINGS, SHOWN_FINDINGS, STRICT_FAILURE
+from .report import FINDINGS, SHOWN_FINDINGS, STRICT_FAILURE, shown_key
 from .sequence import EngineSequence
 from .settings import CALL_FAILED, SETTINGS_KEY, STATE_KEY, describe_source, effective_backend
 from .terminal import finding_lines
@@ -192,7 +192,7 @@ def cudagraph_backend_name(pytestconfig: pytest.Config) -> str:
 def _fail_strict(node: pytest.Item, title: str, found: list[dict]) -> None:
     """Fail the test on its findings (``strict``), each shown whole; the session's section then names them
     in one line each."""
-    node.user_properties += [(STRICT_FAILURE, "1"), (SHOWN_FINDINGS, "1")]
+    node.user_properties += [(STRICT_FAILURE, "1"), (SHOWN_FINDINGS, json.dumps([shown_key(f) for f in found]))]
     pytest.fail(f"{title}:\n" + "\n".join("- " + "\n  ".join(finding_lines(f, node.nodeid, named=False)) for f in found), pytrace=False)
 
 

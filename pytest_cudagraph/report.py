@@ -23,10 +23,15 @@ from .worker import finding_key
 CYCLES = "cudagraph_cycles"  # user property: the test's engine cycles, as JSON
 FINDINGS = "cudagraph_findings"  # user property: the in-process sanitizer's findings
 STRICT_FAILURE = "cudagraph_strict_failure"  # user property: strict findings failed the test
-SHOWN_FINDINGS = "cudagraph_findings_in_error"  # user property: the test's strict error shows its findings whole
+SHOWN_FINDINGS = "cudagraph_findings_in_error"  # user property: the findings a strict error showed whole (keys)
 SNAPSHOT = "cudagraph_snapshot"  # user property: a memory snapshot's path
 SESSION_FINDINGS = "cudagraph_session_findings"  # an xdist worker's output: its session-wide sanitizer's findings
 VERDICTS = ("fresh", "held", "leaked", "stale", "reused", "error")
+
+
+def shown_key(f: dict) -> str:
+    """A finding's key as the test's properties carry it (which findings its error showed)."""
+    return json.dumps(finding_key(f))
 
 
 def new_state() -> dict[str, Any]:
@@ -76,8 +81,9 @@ def record(state: dict, rep: pytest.TestReport) -> None:
             entry["memory_snapshot"] = value
         elif name == STRICT_FAILURE:
             entry["strict_failure"] = True
-        elif name == SHOWN_FINDINGS:
-            entry["findings_in_error"] = True
+        elif name == SHOWN_FINDINGS:  # every phase's report has them all
+            entry["findings_in_error"] = sorted({k for n, v in rep.user_properties if n == SHOWN_FINDINGS
+                                                 for k in json.loads(v)})
 
 
 def rows(state: dict) -> list[tuple[str, dict]]:
@@ -157,7 +163,8 @@ def write(path: str, s: dict, state: dict, exitstatus: int) -> None:
             "plugin_version": _version("pytest-cudagraph"),
             "exitstatus": int(exitstatus),
         },
-        "tests": [{**t, "lifecycle_failure": lifecycle_failure(t)} for t in state["tests"].values()],
+        "tests": [{**{k: v for k, v in t.items() if k != "findings_in_error"}, "lifecycle_failure": lifecycle_failure(t)}
+                  for t in state["tests"].values()],
         "sanitizer": state.get("session_findings", []),
         "totals": totals(state),
     }

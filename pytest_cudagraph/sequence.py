@@ -172,10 +172,12 @@ class EngineSequence:
                 for rec in [r for r in self.records[start:] if r["index"] == i]:
                     if rec.get("poisoned"):
                         self.worker.restart_before_next_call()
-                    if check and rec.get("failed"):
-                        self._snapshot()
-                        self._finish()
-                        check_record(rec)
+                if check and any(r.get("failed") for r in self.records[start:] if r["index"] == i):
+                    self._snapshot()
+                    self._finish()
+                    # (the previous engine's late verdict may have come with this one: every failure so far)
+                    failed = [r for r in self.records[start:] if r.get("failed")]
+                    check_record(failed[0], also=failed[1:])
             self._finish()
             if check:  # (held outputs are judged a cycle late: several may have failed by now)
                 failed = [r for r in self.records[start:] if r.get("failed")]

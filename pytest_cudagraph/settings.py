@@ -270,10 +270,7 @@ def resolve(config: pytest.Config) -> dict[str, Any]:
         out[key] = o.default
         out["sources"][key] = "default"
         try:
-            candidates = (("cli", config.getoption("cudagraph_" + key)), ("env", os.environ.get(o.env)),
-                          ("ini", _ini(config, o.ini, ini)))
-            source, raw = next(((source, raw) for source, raw in candidates if raw not in (None, "", [])),
-                               ("default", None))
+            source, raw = _first_set(config, o, ini)
             if source != "default":
                 out[key] = _convert(o, raw, source, ini)
                 out["sources"][key] = source
@@ -283,6 +280,21 @@ def resolve(config: pytest.Config) -> dict[str, Any]:
     if errors:
         raise pytest.UsageError("\n".join(errors))
     return out
+
+
+def _first_set(config: pytest.Config, o: Option, ini: IniFile) -> tuple[str, Any]:
+    """Where the option is set first (cli, env, ini) and its raw value, or ("default", None). Read in that
+    order and no further: a flag wins over a malformed ini value, which is then never read."""
+    raw = config.getoption("cudagraph_" + o.name.replace("-", "_"))
+    if raw not in (None, "", []):
+        return "cli", raw
+    raw = os.environ.get(o.env)
+    if raw not in (None, ""):
+        return "env", raw
+    raw = _ini(config, o.ini, ini)
+    if raw not in (None, "", []):
+        return "ini", raw
+    return "default", None
 
 
 def _ini(config: pytest.Config, name: str, ini: IniFile = PYTEST_INI) -> Any:

@@ -15,7 +15,7 @@ from cudagraph_lifecycle.errors import (
 )
 from cudagraph_lifecycle.ledger import innermost_user_frames, ledger  # plain Python: no torch
 
-from .report import VERDICTS, findings, lifecycle_line, rows, totals
+from .report import VERDICTS, findings, lifecycle_line, rows, shown_key, totals
 
 
 def _who(c: dict) -> str:
@@ -146,7 +146,7 @@ def findings_section(tr: Any, state: dict) -> None:
     for nodeid, f in found:
         lines = finding_lines(f, nodeid)
         entry = tests.get(nodeid, {})
-        if entry.get("findings_in_error") and f in (entry.get("sanitizer") or ()):
+        if shown_key(f) in (entry.get("findings_in_error") or ()):
             lines = [lines[0], "    failed the test: its error above shows the whole finding"]
         for line in lines:
             tr.write_line(line)

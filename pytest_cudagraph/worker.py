@@ -37,7 +37,7 @@ from typing import Any
 
 from cudagraph_lifecycle.choices import SANITIZE_ENV_OFF
 from cudagraph_lifecycle.errors import TORCH_DEFAULT_STREAM_REFUSAL, TORCH_RANDOM_POISONED
-from cudagraph_lifecycle.ledger import is_machinery
+from cudagraph_lifecycle.ledger import is_user_file
 from cudagraph_lifecycle.sizes import size_text
 
 
@@ -676,9 +676,10 @@ def _end_dropped(owner: int, proc, conn, stderr_path: str, tag: str, name: str,
 
 
 def _made_at() -> tuple[str, int] | None:
-    """The file and line of the user's code that made a worker (the first frame outside the machinery)."""
+    """The file and line of the user's code that made a worker (not ours, pytest's, torch's nor the standard
+    library's: a thread's run, a console script's)."""
     f = sys._getframe(2)
-    while f is not None and is_machinery(f.f_code.co_filename):
+    while f is not None and not is_user_file(f.f_code.co_filename):
         f = f.f_back
     return None if f is None else (f.f_code.co_filename, f.f_lineno)
 

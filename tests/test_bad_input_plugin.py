@@ -151,6 +151,16 @@ def test_a_toml_value_of_the_wrong_type_is_refused_not_converted(pytester, text,
         assert w in res.stderr.str(), res.stderr.str()
 
 
+@pytest.mark.skipif(pytest.version_tuple < (9,), reason="the native [tool.pytest] table is pytest 9's")
+def test_a_flag_wins_over_a_malformed_ini_value_which_is_then_not_read(pytester):
+    pytester.makepyprojecttoml("[tool.pytest]\ncudagraph_timeout = [1, 2]\n")
+    pytester.makepyfile(test_a=PLAIN_TEST)
+    pytester.runpytest_inprocess("-p", "cudagraph", "--cudagraph-timeout=5").assert_outcomes(passed=1)
+    res = pytester.runpytest_inprocess("-p", "cudagraph")  # alone, it is refused, naming the file
+    assert res.ret == pytest.ExitCode.USAGE_ERROR and "ini key cudagraph_timeout=[1, 2] is not a single value" \
+        in res.stderr.str(), res.stderr.str()
+
+
 @pytest.mark.parametrize("args, env, words", [
     (["--cudagraph-timeout=nan"], {}, "--cudagraph-timeout='nan' is not a finite number (0 means no limit): e.g. "
                                       "--cudagraph-timeout=120"),

@@ -176,6 +176,15 @@ def test_what_torch_keeps_in_closures_is_named_by_what_the_user_holds():
     assert "inside the `new_fwd` that torch.cuda.graphs.make_graphed_callables made, held as attribute `forward` " \
            "of a Linear object (attribute `model` of a Server object" in pin.holder, pin.holder
     san.stop()
+    # the module is referred to by torch's closure too (new_fwd's `func`): the user's holder is named first
+    be, san, key = _pinned(lambda y: HELD.__setitem__("model", make_graphed(torch.nn.Linear(1, 1), (y,), None)))
+    try:
+        (pin,) = what_pins(be, [key])
+        assert pin.holder.endswith("held as attribute `forward` of a Linear object (key `model` of a dict (global "
+                                   "`HELD` of module test_findings)))"), pin.holder
+    finally:
+        HELD.clear()
+        san.stop()
 
 
 def test_a_graph_torch_keeps_in_a_closure_is_named_by_what_the_user_holds():
@@ -1453,6 +1462,9 @@ def test_an_output_the_comparison_cannot_see_into_is_a_usage_error():
     with pytest.raises(ConfigError, match=r"no tensor the replay-versus-eager comparison can reach \(inside a Opaque\)"):
         max_abs_err(Opaque(torch.ones(2)), Opaque(torch.zeros(2)))
     assert max_abs_err(("a", 1), ("a", 1)) == 0.0  # plain values only: nothing hidden
+    jagged = [torch.nested.nested_tensor([torch.ones(2, 4), torch.ones(3, 4)], layout=torch.jagged) for _ in (0, 1)]
+    with pytest.raises(ConfigError, match=r"the replay-versus-eager comparison cannot subtract these outputs \("):
+        max_abs_err(jagged[0], jagged[1])  # the harness's subtraction, not the engine's run, failed
 
 
 class ReleaseRaises(OwnPoolEngine):
@@ -1551,3 +1563,100 @@ def test_a_pool_ids_mismatch_names_the_line_that_captured_into_the_hidden_pool(c
     assert msgs[1].startswith("pool_ids() hides [(0, (0, 1))], which it captured into (captured at ") \
         and "test_findings.py" in msgs[1] and "in captured)" in msgs[1], msgs
     assert rec["verdict"] == "fresh" and not rec["failed"]  # a mismatch fails only under strict
+
+
+class _Scale(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h):
+        ctx.mask = h > 0  # kept on the context, not saved for backward: a block of the pool the output keeps
+        return h * 3
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.mask
+
+
+class OutputKeepsMore(OwnPoolEngine):
+    """Its output keeps more of the pool than its own storage, through the output itself: nothing else pins
+    the pool, so it is held (and freed once the caller drops the output), not leaked."""
+
+    variant = "ctx"
+
+    def __init__(self, be):
+        super().__init__(be)
+        self.w.requires_grad_(self.variant in ("ctx", "in place"))
+
+    def capture(self):
+        be = self.be
+        self.g = be.new_graph()
+        with be.stream(be.capture_stream(0)):
+            self.g.capture_begin(pool=be.graph_pool_handle())
+            h = self.w * 2
+            if self.variant == "ctx":
+                self.y = _Scale.apply(h)
+            elif self.variant == "in place":
+                self.y = h * h  # saves h, then h changes: autograd will not hand it back
+                h.mul_(0.5)
+            else:
+                self.y = h.clone()
+                self.y.scratch = h  # an attribute of the output tensor
+            self.g.capture_end()
+
+    def run(self, x):
+        self.g.replay()
+        return self.y
+
+    def eager(self, x):
+        return self.y
+
+    def release(self):
+        self.g.reset()
+        self.g = self.y = None
+
+
+OUTPUT_KEEPS = {v: type(f"OutputKeeps_{v.replace(' ', '_')}", (OutputKeepsMore,), {"variant": v})
+                for v in ("ctx", "in place", "attribute")}
+for _cls in OUTPUT_KEEPS.values():
+    globals()[_cls.__name__] = _cls  # importable by name in the worker
+
+
+@pytest.mark.parametrize("variant", list(OUTPUT_KEEPS))
+def test_what_the_held_output_keeps_through_itself_is_held_not_leaked(cudagraph_worker, variant):
+    recs = cudagraph_worker.call(_cycles_of, OUTPUT_KEEPS[variant], 2, "hold")
+    assert {r["verdict"] for r in recs} == {"held"}, [(r["verdict"], r["problems"]) for r in recs]
+
+
+class KeepsOtherOutputsWithGrad(KeepsOtherOutputs):
+    """As KeepsOtherOutputs, captured with autograd on and a saved input changed in place since (autograd will
+    not hand it back), and an output with a long token list beside its tensor: the other output, kept by the
+    global, is still found at once."""
+
+    def capture(self):
+        be, h = self.be, self.be.graph_pool_handle()
+        self.w.requires_grad_(True)
+        x = be.randn(8)
+        self.graphs, outs = [], []
+        for scale in (2, 3):
+            g = be.new_graph()
+            with be.stream(be.capture_stream(0)):
+                g.capture_begin(pool=h)
+                outs.append(x * self.w * scale)
+                g.capture_end()
+            self.graphs.append(g)
+        x.add_(1)  # the static input refilled: its version moves, so the saved x cannot be read back
+        MODELS["static_outputs"] = outs
+
+    def run(self, x):
+        self.graphs[0].replay()
+        return {"logits": MODELS["static_outputs"][0], "tokens": list(range(30_000))}
+
+    def eager(self, x):
+        return {"logits": MODELS["static_outputs"][0], "tokens": list(range(30_000))}
+
+
+def test_a_block_another_holder_keeps_is_found_at_once_with_autograd_and_a_long_output(cudagraph_worker):
+    (rec,) = cudagraph_worker.call(_cycles_of, KeepsOtherOutputsWithGrad, 1, "hold")
+    assert rec["verdict"] == "leaked", rec
+    (p,) = rec["problems"]
+    assert "and not only for the output the caller holds: 512 bytes pinned by a tensor (8,) float32 held as an " \
+           "item of a list (key `static_outputs` of a dict (global `MODELS` of module test_findings))" in p["message"]

@@ -168,6 +168,54 @@ def test_a_sequences_error_names_every_engine_that_failed(pytester):
                               "have each one's problems)"])
 
 
+LATE_AND_NOW = """
+CACHE = {}
+
+
+class Engine:
+    def __init__(self, be):
+        self.be, self.w = be, be.randn(8)
+        self.index = len(CACHE.setdefault("n", []))
+        CACHE["n"].append(1)
+
+    def capture(self):
+        be = self.be
+        self.g = be.new_graph()
+        with be.stream(be.capture_stream(0)):
+            self.g.capture_begin(pool=be.graph_pool_handle())
+            self.y = self.w * 2
+            self.g.capture_end()
+
+    def run(self, x):
+        if self.index == 1:
+            raise ValueError("engine 1 breaks")
+        self.g.replay()
+        CACHE["last"] = self.y  # the very tensor the caller holds: held now, leaked once the caller drops it
+        return self.y
+
+    def release(self):
+        self.g.reset()
+        self.g = self.y = None
+
+    def example_input(self):
+        return self.w
+
+
+def test_two_failures(engine_sequence):
+    engine_sequence(Engine, 2)
+"""
+
+
+def test_a_late_verdict_that_comes_with_a_failing_engine_is_named_first(pytester):
+    """Engine 0's held output is judged while engine 1 runs, and engine 1 fails too: both are named, the
+    first failure in full."""
+    pytester.makepyfile(test_a=LATE_AND_NOW)
+    res = run(pytester, "--cudagraph-backend=sim")
+    res.assert_outcomes(failed=1)
+    res.stdout.fnmatch_lines(["*EngineCycleError: engine 0: verdict leaked*", "*global `CACHE` of module test_a*",
+                              "*also failed: engine 1 (error)*"])
+
+
 def test_the_report_says_what_a_gate_needs_per_test_and_per_problem(pytester):
     """Which test failed for lifecycle reasons, why a test was skipped, and the user's lines each problem is
     about (to annotate them), not only inside its message."""

@@ -7,7 +7,9 @@ engine: its ``pool_ids()`` is only cross-checked.
 
 from __future__ import annotations
 
+import enum
 import gc
+import numbers
 import os
 import time
 from collections.abc import Callable
@@ -32,7 +34,7 @@ from ..errors import (
     stale_fix,
 )
 from ..ledger import SITES, Key, Stack, graph_sites, ledger, raised_site, shown_traceback
-from ..sanitizer.pins import describe, graph_holder, mempool_notes, pinned_beyond, what_pins
+from ..sanitizer.pins import beyond_output, describe, graph_holder, mempool_notes, what_pins
 from ..sanitizer.stale import pinned_by, side_stream_fix
 from ..sizes import size_text
 from ..trees import leaves
@@ -140,7 +142,7 @@ def budget(rec: CycleRecord, graph_bytes: dict[str, int] | None, max_pool_bytes:
                 "no graph was captured or replayed: the engine ran eagerly (require_replay=True)")
 
 
-_PLAIN = (int, float, complex, bool, str, bytes, type(None))
+_PLAIN = (numbers.Number, str, bytes, enum.Enum, type(None))  # compared by nothing, hiding nothing (numpy scalars too)
 OUTPUT_HELD = "the output the caller holds"
 
 
@@ -155,8 +157,13 @@ def max_abs_err(a: Any, b: Any) -> float:
         raise ConfigError(f"run(x) and eager(x) returned no tensor the replay-versus-eager comparison can reach "
                           f"(inside a {type(opaque).__qualname__}): return tensors in tuples, lists, dicts, named "
                           "tuples or dataclasses, or leave eager() out")
-    errs = [float((x.detach().float() - y.detach().float()).abs().max()) if x.numel() else 0.0
-            for x, y in zip(fa, fb)]
+    try:
+        errs = [float((x.detach().float() - y.detach().float()).abs().max()) if x.numel() else 0.0
+                for x, y in zip(fa, fb)]
+    except RuntimeError as e:  # the harness's subtraction, not the engine's run, failed: say so
+        raise ConfigError(f"the replay-versus-eager comparison cannot subtract these outputs ({first_line(e)}): "
+                          "leave eager() out for outputs it cannot compare (a nested tensor, a tensor subclass "
+                          "without subtraction)") from None
     return max(errs, default=0.0)
 
 
@@ -392,18 +399,22 @@ def judge(be: Backend, rec: CycleRecord, output: Any, hold: bool, declared: list
                 sites=_pool_sites(list(by_mempool)))
     total = sum(left.values())
     pinned = [k for k, b in left.items() if b]
-    held = [t for t in leaves(output) if isinstance(t, torch.Tensor)]
-    if total and hold and output is not None and not pinned_beyond(be, pinned, held):
+    held_output = total and hold and output is not None
+    # blocks the held output does not keep alive, and a holder of the user's named for them: pinned whatever
+    # the caller does, and the next engine may replace that holder before the output is dropped
+    stray = beyond_output(be, pinned, output) if held_output else []
+    others = [p for p in what_pins(be, pinned, {id(t): OUTPUT_HELD for t in leaves(output)}, clear_workspaces=False,
+                                   only=stray)
+              if p.cause in ("python_reference", "autograd_history") and OUTPUT_HELD not in p.holder
+              and "(inferred" not in p.holder] if stray else []
+    if held_output and not others:
         rec.held_bytes = total  # judged again once the caller drops it (check_held)
-    elif total and hold and output is not None:  # blocks the output does not hold: pinned whatever the caller does
+    elif held_output:
         rec.leaked_bytes = total
-        known = {id(t): OUTPUT_HELD for t in held}
-        pins = [p for p in what_pins(be, pinned, known) if OUTPUT_HELD not in p.holder]
-        why = "; ".join(([describe(pins)] if pins else []) + list(mempool_notes(pinned).values())) or \
-            "something else pins them"
+        why = "; ".join([describe(others)] + list(mempool_notes(pinned).values()))
         rec.add("leaked", f"after release its pools {[k[2] for k in pinned]}{_captured_at(pinned)} still hold "
                           f"{size_text(total)}, and not only for the output the caller holds: " + why,
-                total, _stacks(be, list(keys)), [p.as_dict() for p in pins], _pool_sites(pinned))
+                total, _stacks(be, list(keys)), [p.as_dict() for p in others], _pool_sites(pinned))
     elif total:
         rec.leaked_bytes = total
         known = {id(t): "the copy of its output the caller keeps" for t in leaves(output)}

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import gc
 import sys
+import threading
 import types
 import warnings
 import weakref
@@ -75,11 +76,14 @@ def describe(pins: list[Pin]) -> str:
 
 
 def what_pins(backend: Backend, keys: list[Key], known: dict[int, str] | None = None,
-              clear_workspaces: bool = True) -> list[Pin]:
+              clear_workspaces: bool = True, only: list[tuple[int, int]] | None = None) -> list[Pin]:
     """The holders of the live blocks of the pools ``keys`` (world, device, pool id), largest first. ``known``
     names objects the caller knows (id -> words, e.g. the copy of an output a caller keeps). Without
-    ``clear_workspaces`` nothing of the allocator is touched (no library workspace is cleared to find one)."""
+    ``clear_workspaces`` nothing of the allocator is touched (no library workspace is cleared to find one).
+    ``only``: the spans of the blocks to explain (the rest are left out)."""
     blocks = [(*b.span, b.size, k[1]) for k in keys for b in backend.live_blocks(k[2], k[1]) if b.span]
+    if only is not None:
+        blocks = [b for b in blocks if (b[0], b[1]) in set(only)]
     if not blocks:
         return []
     owner: dict[int, tuple[str, str]] = {}  # block index -> (cause, holder)
@@ -91,12 +95,14 @@ def what_pins(backend: Backend, keys: list[Key], known: dict[int, str] | None = 
     def name(t: Any) -> str | None:  # up to what the user can drop: a global, an engine's attribute
         return known.get(id(t)) or _holder(t, ignore, _TENSOR_DEPTH)
 
-    global _memo
-    outer, _memo = _memo, {} if _memo is None else _memo  # the objects stay alive meanwhile: ids are stable
+    outer = getattr(_names, "memo", None)
+    if outer is None:  # the outermost search of this thread: the objects stay alive meanwhile, ids are stable
+        _names.memo = {}
     try:
         blind = _name_owners(backend, tensors, blocks, owner, name)
     finally:
-        _memo = outer
+        if outer is None:
+            _names.memo = None
     del tensors
     if len(owner) < len(blocks) and clear_workspaces:
         _workspaces(backend, keys, blocks, owner)
@@ -125,29 +131,47 @@ def _name_owners(backend: Backend, tensors: list, blocks: list[tuple], owner: di
         return _autograd(backend, tensors, blocks, owner, name) if len(owner) < len(blocks) else None
 
 
-def pinned_beyond(backend: Backend, keys: list[Key], roots: list) -> bool:
-    """Whether a live block of the pools ``keys`` lies outside the storages of ``roots`` (the tensors a caller
-    holds) and of the tensors their autograd graphs saved: then something else pins it too. Cheap (the books
-    and the roots' own graphs, no search of the heap); False where the backend cannot list blocks."""
+_REACH = 200_000  # objects walked from a held output at most; beyond that nothing is judged at once
+_OPAQUE = (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.CodeType,
+           types.FrameType)  # not followed from an output: they reach the whole program
+
+
+def beyond_output(backend: Backend, keys: list[Key], output: Any) -> list[tuple[int, int]]:
+    """The spans of the live blocks of the pools ``keys`` that lie outside everything the caller's ``output``
+    keeps alive: its tensors, what it refers to, its autograd graphs' saved tensors and context attributes
+    (a saved tensor autograd will not hand back is not seen: what pins such a block is asked next). Empty
+    where the backend cannot list blocks or the output reaches too much to tell."""
     blocks = [(*b.span, b.size, k[1]) for k in keys for b in backend.live_blocks(k[2], k[1]) if b.span]
     if not blocks:
-        return False
+        return []
     covered: set[int] = set()
     seen: set[int] = set()
-    visited: list = []  # node objects are made on each access: keep them, or an id is reused
-    todo = [getattr(t, "grad_fn", None) for t in roots]
-    for t in roots:
-        covered.update(_blocks_of(backend, t, blocks))
-    while todo and len(seen) < _AUTOGRAD_NODES and len(covered) < len(blocks):
-        node = todo.pop()
-        if node is None or id(node) in seen:
+    seen_nodes: set[int] = set()  # apart: a tensor refers to its node too, as a plain object
+    kept: list = []  # autograd node objects are made on each access: keep them, or an id is reused
+    todo, nodes = [output], []
+    tensor = torch.Tensor
+    while (todo or nodes) and len(covered) < len(blocks):
+        if len(seen) + len(seen_nodes) > _REACH:
+            return []
+        if todo:
+            obj = todo.pop()
+            if id(obj) in seen or isinstance(obj, _OPAQUE):
+                continue
+            seen.add(id(obj))
+            if isinstance(obj, tensor):
+                covered.update(_blocks_of(backend, obj, blocks))
+                nodes.append(obj.grad_fn)
+            # what cannot refer to anything (ints of a token list, strings) is not walked
+            todo += [o for o in gc.get_referents(obj) if gc.is_tracked(o) or isinstance(o, tensor)]
             continue
-        seen.add(id(node))
-        visited.append(node)
-        for t in _saved(node)[0]:
-            covered.update(_blocks_of(backend, t, blocks))
-        todo += [f for f, _ in getattr(node, "next_functions", ())]
-    return len(covered) < len(blocks)
+        node = nodes.pop()
+        if node is None or id(node) in seen_nodes:
+            continue
+        seen_nodes.add(id(node))
+        kept.append(node)
+        todo += _saved(node)[0] + gc.get_referents(node)  # a custom Function's ctx attributes too
+        nodes += [f for f, _ in getattr(node, "next_functions", ())]
+    return [(lo, hi) for i, (lo, hi, _, _) in enumerate(blocks) if i not in covered]
 
 
 def _held_as(ref: weakref.ref, depth: int) -> str | None:
@@ -215,6 +239,7 @@ def _holder(obj: Any, ignore: set[int], depth: int = 3) -> str | None:
         refs += _frozen_holders(obj)
     ignore = ignore | {id(sys._getframe()), id(refs)}  # this call's own list and frame refer to it too
     unnamed = None  # a container that holds it but that nothing names (a running function's local)
+    library: list = []  # cells of library functions' closures that hold it: walked through last
     for ref in refs:
         if id(ref) in ignore:
             continue
@@ -253,10 +278,9 @@ def _holder(obj: Any, ignore: set[int], depth: int = 3) -> str | None:
             owner = _cell_owner(ref)
             if owner is None:
                 continue  # a cell of a function now running: its frame, not a holder Python can name
-            if not is_user_file(owner.__code__.co_filename):  # torch's closures are not what the user can drop
-                found = _through_library(owner, ignore, depth)
-                if found is not None:
-                    return found
+            if not is_user_file(owner.__code__.co_filename):  # torch's closures are not what the user can drop:
+                library.append(ref)  # a holder of the user's comes first (a module torch wrapped refers back)
+                continue
             return f"a closure variable of {owner.__qualname__} ({owner.__code__.co_filename})"
         elif issubclass(type(ref), type):  # a class attribute, found among frozen holders (_frozen_holders)
             key = next((k for k, v in vars(ref).items() if v is obj), None)
@@ -272,6 +296,14 @@ def _holder(obj: Any, ignore: set[int], depth: int = 3) -> str | None:
         if up or depth <= 1:
             return what + up
         unnamed = unnamed or what
+    for cell in library:  # up its closures to what the user holds (cells kept, not functions: no referrer)
+        owner = _cell_owner(cell)
+        found = _through_library(owner, ignore, depth) if owner is not None else None
+        if found is not None:
+            return found
+    if library and unnamed is None:
+        owner = _cell_owner(library[0])
+        return None if owner is None else f"a closure variable of {owner.__qualname__} ({owner.__code__.co_filename})"
     return unnamed
 
 
@@ -290,6 +322,8 @@ def _is_library(obj: Any) -> bool:
     if isinstance(obj, types.FunctionType):
         return not is_user_file(obj.__code__.co_filename)
     if isinstance(obj, type):
+        if obj.__module__ == "__main__":  # a script, a notebook or a REPL (no __file__ there): the user's
+            return False
         f = getattr(sys.modules.get(obj.__module__), "__file__", None)
         return f is None or not is_user_file(f)
     return False
@@ -323,7 +357,17 @@ def _library_parent(ref: Any, node: Any, skip: set[int]) -> Any:
 def _through_library(fn: types.FunctionType, ignore: set[int], depth: int) -> str | None:
     """A library function (torch's ``make_graphed_callables``) keeps the object in its closure: walk up its
     closures, classes and method wrappers to the first object the user's code holds, and name that holder.
-    None where the walk reaches none."""
+    None where the walk reaches none. Once per function in a search (its tensors share it)."""
+    memo, key = getattr(_names, "memo", None), (id(fn), -depth)
+    if memo is not None and key in memo:
+        return memo[key]
+    found = _walk_library(fn, ignore, depth)
+    if memo is not None:
+        memo[key] = found
+    return found
+
+
+def _walk_library(fn: types.FunctionType, ignore: set[int], depth: int) -> str | None:
     todo, seen = [fn], {id(fn)}
     for node in todo:  # grows as it goes
         refs = gc.get_referrers(node)
@@ -389,20 +433,21 @@ def _frozen_holders(obj: Any) -> list:
     return out
 
 
-_memo: dict[tuple[int, int], str] | None = None  # during what_pins: (id, depth) -> words, for holders shared by many
+# during what_pins, per thread: (id, depth) -> words, for holders many tensors share (and library walks)
+_names = threading.local()
 
 
 def _up(obj: Any, ignore: set[int], depth: int) -> str:
     """`` (<who holds obj>)`` one level up, or nothing."""
     if depth <= 1:
         return ""
-    key = (id(obj), depth)
-    if _memo is not None and key in _memo:
-        return _memo[key]
+    memo, key = getattr(_names, "memo", None), (id(obj), depth)
+    if memo is not None and key in memo:
+        return memo[key]
     up = _holder(obj, ignore, depth - 1)
     out = f" ({up})" if up else ""
-    if _memo is not None:
-        _memo[key] = out
+    if memo is not None:
+        memo[key] = out
     return out
 
 
