@@ -213,12 +213,7 @@ def test_an_ini_error_names_the_file_and_the_line_to_write(pytester, name, line,
 def test_mpi_workers_chosen_without_mpi_stop_the_session(pytester, monkeypatch, args, env, ini, words):
     """Not a session of skipped engine sequences that a CI gate passes; the default (fork) still runs them."""
     monkeypatch.setenv("PATH", "/nonexistent")  # no mpiexec (mpi4py may be installed)
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    if ini:
-        pytester.makeini(f"[pytest]\n{ini}\n")
-    pytester.makepyfile(test_a=PLAIN_TEST)
-    res = pytester.runpytest_inprocess("-p", "cudagraph", *args)
+    res = _run_with(pytester, monkeypatch, args, env, ini)
     assert res.ret == pytest.ExitCode.USAGE_ERROR and words in res.stderr.str(), res.stderr.str()
     monkeypatch.delenv("CUDAGRAPH_WORKER_KIND", raising=False)
     (pytester.path / "tox.ini").unlink(missing_ok=True)
@@ -250,14 +245,19 @@ def test_a_report_that_cannot_be_written_at_the_end_is_one_line(pytester, termin
     assert words in (res.stdout.str() if terminal else res.stderr.str()), out
 
 
-@pytest.mark.parametrize("what, args, env, ini, words", OPTIONS, ids=[r[0] for r in OPTIONS])
-def test_options(pytester, monkeypatch, what, args, env, ini, words):
+def _run_with(pytester, monkeypatch, args, env, ini):
+    """A plain test under these flags, variables and ini lines."""
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     if ini:
         pytester.makeini(f"[pytest]\n{ini}\n")
     pytester.makepyfile(test_a=PLAIN_TEST)
-    res = pytester.runpytest_inprocess("-p", "cudagraph", *args)
+    return pytester.runpytest_inprocess("-p", "cudagraph", *args)
+
+
+@pytest.mark.parametrize("what, args, env, ini, words", OPTIONS, ids=[r[0] for r in OPTIONS])
+def test_options(pytester, monkeypatch, what, args, env, ini, words):
+    res = _run_with(pytester, monkeypatch, args, env, ini)
     assert res.ret == pytest.ExitCode.USAGE_ERROR, what
     assert words in res.stderr.str(), res.stderr.str()
 
