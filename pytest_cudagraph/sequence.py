@@ -115,7 +115,8 @@ class EngineSequence:
                              "message": f"before the crash, the last graph of pool {tuple(h['pool_id'])} was reset "
                                         f"at {h.get('reset_site') or '(unknown)'} while {size_text(h['live_bytes'])} of it "
                                         "were alive, under expandable_segments:True"})
-        return {"index": i, "pid": getattr(self.worker, "pid", None), "rank": None, "backend": self.backend,
+        pid = getattr(e, "pid", None) or getattr(self.worker, "pid", None)  # a crashed child's, or the live one's
+        return {"index": i, "pid": pid, "rank": None, "backend": self.backend,
                 "engine": f"{self._request.node.nodeid} [engine {i}]", "verdict": "stale" if stale else "error",
                 "failed": True, "pool_ids": [], "problems": problems}
 

@@ -170,6 +170,8 @@ _CAUSE = re.compile(r"terminate called|terminating due to|what\(\)|Fatal Python 
 class WorkerError(Exception):
     """Base of the worker's reports."""
 
+    pid: int | None = None  # the child's, where it crashed or hung
+
 
 # ``__tracebackhide__`` of the calls that raise them: pytest leaves out those frames for these errors only (a
 # bug of ours keeps its frames); made once, since a worker call is timed
@@ -877,7 +879,9 @@ class ReusedWorker:
             msg += "\n--- cause lines from the worker's stderr ---\n" + "\n".join(causes)
         if tail.strip():
             msg += f"\n--- last lines of the worker's stderr ---\n{tail.rstrip()}"
-        return WorkerCrashed(msg, code, tail, hazards)
+        err = WorkerCrashed(msg, code, tail, hazards)
+        err.pid = proc.pid  # the child is gone: its record still names it
+        return err
 
     def _timeout_report(self, proc, during: str, limit: float) -> WorkerTimeout:
         try:
@@ -886,12 +890,14 @@ class ReusedWorker:
         except ProcessLookupError:
             pass
         tail = _without_pytest_frames(self.stderr_tail(60))
-        return WorkerTimeout(
+        err = WorkerTimeout(
             f"worker {self.name} (pid {proc.pid}) ran past the timeout of {limit:g}s"
             + (f" ({self.timeout_from})" if self.timeout_from and limit == self.timeout else "")
             + f" in {during}; the worker and everything it started were killed (its session)"
             + (f"\n--- last lines of the worker's stderr ---\n{tail.rstrip()}" if tail.strip() else "")
         )
+        err.pid = proc.pid  # the child is gone: its record still names it
+        return err
 
     @staticmethod
     def _during(number: int | None, fn) -> str:  # built only for a report

@@ -140,6 +140,9 @@ def test_crash_inside_engine_sequence_is_reported(pytester):
     res = run_failing_sequence(pytester, "crash_in_capture, 2")
     res.stdout.fnmatch_lines(["*EngineCycleError: engine 0 of the sequence failed*SIGABRT*", "*error FAILED*",
                               "*WorkerCrashed*"])
+    # the table's row names the child that crashed (gone by then), as the message does
+    pid = res.stdout.str().split("(pid ", 1)[1].split(")", 1)[0]
+    assert any(line.split()[2:3] == [pid] and "error FAILED" in line for line in res.stdout.lines), res.stdout.str()
 
 
 def test_timeout(pytester):
