@@ -79,8 +79,10 @@ def add_options(parser: pytest.Parser) -> None:
         flag = f"--cudagraph-{o.name}"
         dest = "cudagraph_" + o.name.replace("-", "_")
         text = f"{o.help} [env {o.env}, ini {o.ini}; default {o.default}]"
-        if o.kind == "bool":
+        if o.kind == "bool":  # both forms: a flag can switch off what a variable or the ini switched on
             group.addoption(flag, action="store_true", default=None, dest=dest, help=text)
+            group.addoption(f"--no-cudagraph-{o.name}", action="store_false", default=None, dest=dest,
+                            help=f"the opposite of {flag} (over {o.env} and {o.ini})")
         else:
             group.addoption(flag, action="store", default=None, dest=dest, metavar=o.name.upper(), help=text)
         parser.addini(o.ini, o.help, default=None)

@@ -363,6 +363,15 @@ def test_precedence_cli_over_env_over_ini(pytester, monkeypatch):
     run(pytester, "--cudagraph-timeout=33").stdout.fnmatch_lines(["*timeout=33s*"])
 
 
+def test_a_flag_switches_off_what_a_variable_switched_on(pytester, monkeypatch):
+    """command line > environment holds for the on/off options too: --no-cudagraph-require-gpu."""
+    monkeypatch.setenv("CUDAGRAPH_REQUIRE_GPU", "1")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # no GPU here either way
+    pytester.makepyfile(test_a="def test_x(cudagraph_backend_name): pass")
+    assert run(pytester).ret == pytest.ExitCode.USAGE_ERROR  # the variable asks for a GPU: none
+    run(pytester, "--no-cudagraph-require-gpu").assert_outcomes(passed=1)
+
+
 def test_disable_and_explicit_load(pytester, monkeypatch):
     pytester.makepyfile(test_a="def test_x(engine_sequence): pass")
     pytester.makepyfile(engines_mod=ENGINES)
