@@ -109,9 +109,12 @@ class EngineSequence:
         kind = type(e).__name__
         first = str(e).strip().splitlines()[0] if str(e).strip() else kind
         stale = "use_count > 0" in str(e) or "StalePoolError" in str(e)
-        problems = [{"kind": "stale" if stale else "error", "message": f"{kind}: {first}", "bytes": 0, "stacks": []}]
+        # the same fields as a cycle's problems (a gate reads them alike)
+        problems = [{"kind": "stale" if stale else "error", "message": f"{kind}: {first}", "bytes": 0, "stacks": [],
+                     "pins": [], "sites": []}]
         for h in getattr(e, "hazards", []):  # what the sanitizer saw coming, written before the crash
-            problems.append({"kind": "expandable_teardown", "bytes": h["live_bytes"], "stacks": [],
+            problems.append({"kind": "expandable_teardown", "bytes": h["live_bytes"], "stacks": [], "pins": [],
+                             "sites": [h["reset_site"]] if h.get("reset_site") else [],
                              "message": f"before the crash, the last graph of pool {tuple(h['pool_id'])} was reset "
                                         f"at {h.get('reset_site') or '(unknown)'} while {size_text(h['live_bytes'])} of it "
                                         "were alive, under expandable_segments:True"})

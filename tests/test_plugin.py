@@ -52,7 +52,7 @@ def run(pytester, *args):
     return pytester.runpytest_subprocess("-p", "cudagraph", "-p", "no:cacheprovider", *args)
 
 
-def run_failing_sequence(pytester, call):
+def run_failing_sequence(pytester, call, *args):
     """One test running ``engine_sequence(<call>)`` with an engine of engines_mod that must fail it."""
     factory = call.split(",")[0]
     pytester.makepyfile(test_a=f'''
@@ -60,7 +60,7 @@ def run_failing_sequence(pytester, call):
         def test_seq(engine_sequence):
             engine_sequence({call})
     ''')
-    res = run(pytester, "--tb=long")  # every frame with its source, where pytest would show any
+    res = run(pytester, "--tb=long", *args)  # every frame with its source, where pytest would show any
     res.assert_outcomes(failed=1)
     out = res.stdout.str()  # the failure is the engine's: none of the plugin's own source is shown
     assert "def check_record" not in out and "def __call__" not in out and "def call(" not in out, out
@@ -137,9 +137,12 @@ def test_worker_crash_fails_only_that_test(pytester, where):
 
 
 def test_crash_inside_engine_sequence_is_reported(pytester):
-    res = run_failing_sequence(pytester, "crash_in_capture, 2")
+    report = pytester.path / "r.json"
+    res = run_failing_sequence(pytester, "crash_in_capture, 2", f"--cudagraph-report={report}")
     res.stdout.fnmatch_lines(["*EngineCycleError: engine 0 of the sequence failed*SIGABRT*", "*error FAILED*",
                               "*WorkerCrashed*"])
+    (problem,) = json.loads(report.read_text())["tests"][0]["cycles"][0]["problems"]
+    assert set(problem) == {"kind", "message", "bytes", "stacks", "pins", "sites"}, problem  # as a cycle's
     # the table's row names the child that crashed (gone by then), as the message does
     pid = res.stdout.str().split("(pid ", 1)[1].split(")", 1)[0]
     assert any(line.split()[2:3] == [pid] and "error FAILED" in line for line in res.stdout.lines), res.stdout.str()

@@ -94,7 +94,7 @@ def _execute(path: str) -> int | str | None:
         module.__builtins__ = builtins
         module.__loader__ = importlib.machinery.SourceFileLoader("__main__", path)
         sys.modules["__main__"] = module
-        if not sys.flags.safe_path:
+        if not getattr(sys.flags, "safe_path", False):  # (Python 3.11's -P; 3.10 has none)
             sys.path[0] = os.path.dirname(path)  # where `-m` put the working folder
         with io.open_code(path) as f:
             code = compile(f.read(), path, "exec", dont_inherit=True)  # not this module's __future__
