@@ -39,6 +39,14 @@ def _run_cycle(*args: Any, **kwargs: Any) -> list[dict]:
     return run_cycle(*args, **kwargs)
 
 
+def _check_all(records: list[dict]) -> None:
+    """Raise for the first failed record, naming the others that failed by then."""
+    __tracebackhide__ = operator.methodcaller("errisinstance", EngineCycleError)
+    failed = [r for r in records if r.get("failed")]
+    if failed:
+        check_record(failed[0], also=failed[1:])
+
+
 def _finish(backend: str) -> list[dict]:
     from cudagraph_lifecycle.cycle import finish_sequence
 
@@ -180,13 +188,10 @@ class EngineSequence:
                     self._snapshot()
                     self._finish()
                     # (the previous engine's late verdict may have come with this one: every failure so far)
-                    failed = [r for r in self.records[start:] if r.get("failed")]
-                    check_record(failed[0], also=failed[1:])
+                    _check_all(self.records[start:])
             self._finish()
             if check:  # (held outputs are judged a cycle late: several may have failed by now)
-                failed = [r for r in self.records[start:] if r.get("failed")]
-                if failed:
-                    check_record(failed[0], also=failed[1:])
+                _check_all(self.records[start:])
         finally:
             self._publish()
         return self.records[start:]

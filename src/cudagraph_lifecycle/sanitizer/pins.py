@@ -23,6 +23,7 @@ import threading
 import types
 import warnings
 import weakref
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import partial as functools_partial
 from typing import Any
@@ -83,7 +84,8 @@ def what_pins(backend: Backend, keys: list[Key], known: dict[int, str] | None = 
     ``only``: the spans of the blocks to explain (the rest are left out)."""
     blocks = [(*b.span, b.size, k[1]) for k in keys for b in backend.live_blocks(k[2], k[1]) if b.span]
     if only is not None:
-        blocks = [b for b in blocks if (b[0], b[1]) in set(only)]
+        wanted = set(only)
+        blocks = [b for b in blocks if (b[0], b[1]) in wanted]
     if not blocks:
         return []
     owner: dict[int, tuple[str, str]] = {}  # block index -> (cause, holder)
@@ -358,13 +360,7 @@ def _through_library(fn: types.FunctionType, ignore: set[int], depth: int) -> st
     """A library function (torch's ``make_graphed_callables``) keeps the object in its closure: walk up its
     closures, classes and method wrappers to the first object the user's code holds, and name that holder.
     None where the walk reaches none. Once per function in a search (its tensors share it)."""
-    memo, key = getattr(_names, "memo", None), (id(fn), -depth)
-    if memo is not None and key in memo:
-        return memo[key]
-    found = _walk_library(fn, ignore, depth)
-    if memo is not None:
-        memo[key] = found
-    return found
+    return _memoised((id(fn), -depth), lambda: _walk_library(fn, ignore, depth))
 
 
 def _walk_library(fn: types.FunctionType, ignore: set[int], depth: int) -> str | None:
@@ -437,18 +433,25 @@ def _frozen_holders(obj: Any) -> list:
 _names = threading.local()
 
 
+def _memoised(key: tuple[int, int], words: Callable[[], Any]) -> Any:
+    """``words()``, once per key during a search (outside one: every time)."""
+    memo = getattr(_names, "memo", None)
+    if memo is None:
+        return words()
+    if key not in memo:
+        memo[key] = words()
+    return memo[key]
+
+
 def _up(obj: Any, ignore: set[int], depth: int) -> str:
     """`` (<who holds obj>)`` one level up, or nothing."""
     if depth <= 1:
         return ""
-    memo, key = getattr(_names, "memo", None), (id(obj), depth)
-    if memo is not None and key in memo:
-        return memo[key]
-    up = _holder(obj, ignore, depth - 1)
-    out = f" ({up})" if up else ""
-    if memo is not None:
-        memo[key] = out
-    return out
+    def words() -> str:
+        up = _holder(obj, ignore, depth - 1)
+        return f" ({up})" if up else ""
+
+    return _memoised((id(obj), depth), words)
 
 
 _MODULE_SLOTS = (("_buffers", "buffer"), ("_parameters", "parameter"), ("_modules", "submodule"))
