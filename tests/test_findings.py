@@ -2,6 +2,7 @@
 a pinned pool (a global, an attribute, a list, the autograd graph of a copy, a library workspace)."""
 
 import dataclasses
+import gc
 import json
 import os
 import time
@@ -13,7 +14,7 @@ import torch
 from cudagraph_lifecycle.backends.sim import SimBackend
 from cudagraph_lifecycle.conformance import Ctx
 from cudagraph_lifecycle.ledger import ledger
-from cudagraph_lifecycle.sanitizer import PoolSanitizer
+from cudagraph_lifecycle.sanitizer import PoolSanitizer, pins
 from cudagraph_lifecycle.sanitizer.pins import what_pins
 
 HELD = {}  # a module global that pins a pool in the tests below
@@ -25,6 +26,14 @@ def _stop_sanitizers():
     yield
     while _STARTED:
         _STARTED.pop().stop()
+
+
+@pytest.fixture(params=["scanned", "indexed"])
+def heap(request, monkeypatch):
+    """Holders found by scanning the heap per object (a short search), or from the index a long search builds."""
+    if request.param == "indexed":
+        monkeypatch.setattr(pins, "_INDEX_AFTER", 0)
+    return request.param
 
 
 def _watched(be):
@@ -49,6 +58,7 @@ def _pinned(hold, grad: bool = False):
     return be, san, (be.world, 0, h)
 
 
+@pytest.mark.usefixtures("heap")
 def test_a_module_global_is_named():
     be, san, key = _pinned(lambda y: HELD.__setitem__("out", y))
     try:
@@ -67,6 +77,7 @@ class Decoder:
     pass
 
 
+@pytest.mark.usefixtures("heap")
 def test_an_attribute_and_a_list_item_are_named():
     keep = Decoder()
     be, san, key = _pinned(lambda y: setattr(keep, "last_out", y))
@@ -86,6 +97,7 @@ def _decode_steps(y):
         yield last.sum()
 
 
+@pytest.mark.usefixtures("heap")
 def test_a_suspended_generator_and_who_keeps_it_are_named():
     """A decode generator never exhausted: its frame keeps the output, and something keeps the generator."""
     be, san, key = _pinned(lambda y: HELD.__setitem__("active", _decode_steps(y)) or next(HELD["active"]))
@@ -100,6 +112,7 @@ def test_a_suspended_generator_and_who_keeps_it_are_named():
         san.stop()
 
 
+@pytest.mark.usefixtures("heap")
 def test_a_buffer_of_a_module_is_named():
     mod = torch.nn.Module()
     be, san, key = _pinned(lambda y: mod.register_buffer("cached", y))
@@ -157,6 +170,7 @@ class Server:
     pass
 
 
+@pytest.mark.usefixtures("heap")
 def test_what_torch_keeps_in_closures_is_named_by_what_the_user_holds():
     """make_graphed_callables keeps its static outputs and graphs in closures of its own: the holder a user
     can drop is the callable it returned (memoised in a global) or the module whose forward it replaced."""
@@ -201,6 +215,45 @@ def test_a_graph_torch_keeps_in_a_closure_is_named_by_what_the_user_holds():
         HELD.clear()
 
 
+class _Slot:
+    pass
+
+
+def test_the_heap_index_gives_what_a_scan_gives_but_the_searchs_own_lists():
+    t = torch.ones(3)
+    slot, pair, cell_fn = _Slot(), (t, t), (lambda: t)
+    slot.t, keep = t, {"t": t, "pair": pair}
+    own = pins._Found([t, slot])  # a search's own list is left out of the index, not out of a scan
+    looked_up = (t, slot, pair, keep, cell_fn.__closure__[0])
+    index = pins._heap_index()
+    for obj in looked_up:
+        found = index.get(id(obj))
+        found = list(found) if type(found) is pins._Multi else [] if found is None else [found]
+        scanned = [r for r in gc.get_referrers(obj) if r is not own and r is not index and type(r) is not pins._Multi]
+        assert {id(r) for r in found} == {id(r) for r in scanned}, f"{type(obj)}: {[type(r) for r in found]} " \
+                                                                    f"indexed, {[type(r) for r in scanned]} scanned"
+        assert len(found) == len(scanned)
+        del found, scanned  # (a list of one object's referrers refers to them too)
+    assert own in gc.get_referrers(t)
+    assert index[id(keep)] is looked_up  # one referrer is kept bare
+    assert [r is pair for r in index[id(t)]].count(True) == 1  # the pair refers to t twice: one referrer
+
+
+def test_a_long_search_indexes_the_heap_once(monkeypatch):
+    built = []
+    real = pins._heap_index
+    monkeypatch.setattr(pins, "_heap_index", lambda: built.append(1) or real())
+    monkeypatch.setattr(pins, "_INDEX_AFTER", 3)
+    be, san, key = _pinned(lambda y: HELD.__setitem__("out", y))
+    try:
+        (pin,) = what_pins(be, [key])
+        assert "global `HELD` of module test_findings" in pin.holder
+        assert built == [1]
+    finally:
+        HELD.clear()
+
+
+@pytest.mark.usefixtures("heap")
 def test_the_autograd_graph_of_a_copy_is_named():
     kept = []
     be, san, key = _pinned(lambda y: kept.append(y.clone()), grad=True)  # the clone carries the capture's history
@@ -655,6 +708,7 @@ def test_a_users_folder_named_like_the_package_is_still_the_users(tmp_path):
     assert theirs.co_filename in str(stack) and ours.co_filename not in str(stack)
 
 
+@pytest.mark.usefixtures("heap")
 def test_an_unreadable_autograd_graph_is_blamed_only_for_what_nothing_else_explains():
     """A kept tensor whose autograd graph saved tensors that were modified in place since (autograd refuses
     to hand them back) is inferred to pin what is left, but only after the workspace caches were tried: the
@@ -1381,6 +1435,7 @@ def _cycles_of(engine, n, output):
         GRAPH_CACHE.clear()
 
 
+@pytest.mark.usefixtures("heap")
 def test_the_holders_of_one_cause_share_its_fix_once():
     from cudagraph_lifecycle.sanitizer.pins import FIXES, Pin, describe
 

@@ -90,21 +90,22 @@ def what_pins(backend: Backend, keys: list[Key], known: dict[int, str] | None = 
         return []
     owner: dict[int, tuple[str, str]] = {}  # block index -> (cause, holder)
     tensor = torch.Tensor
-    tensors = [o for o in gc.get_objects() if issubclass(type(o), tensor)]  # type(): no __class__ lookups
+    tensors = _Found(o for o in gc.get_objects() if issubclass(type(o), tensor))  # type(): no __class__ lookups
     ignore = {id(tensors), id(sys._getframe())}
     known = known or {}
 
     def name(t: Any) -> str | None:  # up to what the user can drop: a global, an engine's attribute
         return known.get(id(t)) or _holder(t, ignore, _TENSOR_DEPTH)
 
-    outer = getattr(_names, "memo", None)
+    outer = getattr(_names, "search", None)
     if outer is None:  # the outermost search of this thread: the objects stay alive meanwhile, ids are stable
-        _names.memo = {}
+        _names.search = _Search()
     try:
         blind = _name_owners(backend, tensors, blocks, owner, name)
     finally:
         if outer is None:
-            _names.memo = None
+            _names.search.close()
+            _names.search = None
     del tensors
     if len(owner) < len(blocks) and clear_workspaces:
         _workspaces(backend, keys, blocks, owner)
@@ -236,12 +237,12 @@ def _module_named(d: dict) -> str | None:
 def _holder(obj: Any, ignore: set[int], depth: int = 3) -> str | None:
     """Who refers to ``obj``, in words: the first referrer that names it (up to ``depth`` levels up); None
     when no Python object does (then C++ holds it: an autograd graph, a library)."""
-    refs = gc.get_referrers(obj)
+    refs = _referrers(obj)
     if gc.get_freeze_count():
         refs += _frozen_holders(obj)
     ignore = ignore | {id(sys._getframe()), id(refs)}  # this call's own list and frame refer to it too
     unnamed = None  # a container that holds it but that nothing names (a running function's local)
-    library: list = []  # cells of library functions' closures that hold it: walked through last
+    library: list = _Found()  # cells of library functions' closures that hold it: walked through last
     for ref in refs:
         if id(ref) in ignore:
             continue
@@ -311,10 +312,10 @@ def _holder(obj: Any, ignore: set[int], depth: int = 3) -> str | None:
 
 def _cell_owner(cell: types.CellType) -> types.FunctionType | None:
     """The function whose closure holds ``cell`` (None for a cell only a running frame holds)."""
-    closure = next((f for f in gc.get_referrers(cell) if isinstance(f, tuple)), None)
+    closure = next((f for f in _referrers(cell) if isinstance(f, tuple)), None)
     if closure is None:
         return None
-    return next((f for f in gc.get_referrers(closure) if isinstance(f, types.FunctionType)), None)
+    return next((f for f in _referrers(closure) if isinstance(f, types.FunctionType)), None)
 
 
 def _is_library(obj: Any) -> bool:
@@ -344,9 +345,9 @@ def _library_parent(ref: Any, node: Any, skip: set[int]) -> Any:
     if isinstance(ref, (staticmethod, classmethod, types.MethodType, functools_partial)):
         return ref
     if isinstance(ref, tuple):  # a class's bases or mro leads nowhere; any other tuple is a container
-        return None if all(isinstance(o, type) for o in gc.get_referrers(ref) if id(o) not in skip) else _USER
+        return None if all(isinstance(o, type) for o in _referrers(ref) if id(o) not in skip) else _USER
     if isinstance(ref, dict):  # a library class's namespace, a library function's or wrapper's __dict__
-        for o in gc.get_referrers(ref):
+        for o in _referrers(ref):
             if isinstance(o, type) and any(v is node for v in vars(o).values()) \
                     or getattr(o, "__dict__", None) is ref:
                 return o if _is_library(o) or isinstance(o, (staticmethod, classmethod)) else _USER
@@ -364,9 +365,9 @@ def _through_library(fn: types.FunctionType, ignore: set[int], depth: int) -> st
 
 
 def _walk_library(fn: types.FunctionType, ignore: set[int], depth: int) -> str | None:
-    todo, seen = [fn], {id(fn)}
+    todo, seen = _Found([fn]), {id(fn)}
     for node in todo:  # grows as it goes
-        refs = gc.get_referrers(node)
+        refs = _referrers(node)
         skip = ignore | {id(refs), id(sys._getframe()), id(todo)}
         held = False
         for ref in refs:
@@ -429,15 +430,88 @@ def _frozen_holders(obj: Any) -> list:
     return out
 
 
-# during what_pins, per thread: (id, depth) -> words, for holders many tensors share (and library walks)
+# a scan of the heap for one object's referrers costs about 1/40 of indexing every referrer once: a search that
+# has scanned this often (holders through many distinct closures on a heap of millions of objects) indexes it
+_INDEX_AFTER = 32
+
+
+class _Found(list):
+    """A list this search made of the program's objects: never a holder, and left out of the heap's index."""
+
+
+class _Multi(list):
+    """An object's referrers in the index where there are several (one is kept bare: most have one)."""
+
+
+class _Search:
+    """What one what_pins call keeps (per thread, nested calls share it): the words found for holders many
+    tensors share, and the referrers of every object, indexed once the heap has been scanned often. The program
+    does not run meanwhile, so the index stays true: its referrers keep what they refer to alive, so no id is
+    reused, and what the search makes afterwards is its own."""
+
+    __slots__ = ("memo", "scans", "index")
+
+    def __init__(self) -> None:
+        self.memo: dict = {}
+        self.scans = 0
+        self.index: dict[int, Any] | None = None
+
+    def referrers(self, obj: Any) -> _Found:
+        index = self.index
+        if index is None:
+            self.scans += 1
+            if self.scans <= _INDEX_AFTER or not gc.is_tracked(obj):
+                return _Found(gc.get_referrers(obj))
+            index = self.index = _heap_index()
+        found = index.get(id(obj))
+        return _Found(() if found is None else found if type(found) is _Multi else (found,))
+
+    def close(self) -> None:
+        """Let go of what the index holds now (a frame kept in it would keep the search's locals alive)."""
+        if self.index is not None:
+            self.index.clear()
+            self.index = None
+
+
+def _heap_index() -> dict[int, Any]:
+    """id of each tracked object -> what ``gc.get_referrers`` would give for it (bare where one), but this
+    search's own lists and frames. Objects the collector does not track are no key: nothing is looked up for them here."""
+    index: dict[int, Any] = {}
+    get, tracked, referents = index.get, gc.is_tracked, gc.get_referents
+    for o in gc.get_objects():
+        if type(o) is _Found or type(o) is types.FrameType and is_machinery(o.f_code.co_filename):
+            continue  # (the search's frames hold its locals: no holder of the program's)
+        for r in referents(o):
+            if not tracked(r):
+                continue
+            k = id(r)
+            had = get(k)
+            if had is None:
+                index[k] = o
+            elif type(had) is _Multi:
+                if had[-1] is not o:  # an object referring to it twice is one referrer
+                    had.append(o)
+            elif had is not o:
+                index[k] = _Multi((had, o))
+    return index
+
+
+def _referrers(obj: Any) -> _Found:
+    """``gc.get_referrers(obj)``, from the search's index where it has one."""
+    search = getattr(_names, "search", None)
+    return _Found(gc.get_referrers(obj)) if search is None else search.referrers(obj)
+
+
+# during what_pins, per thread: its _Search
 _names = threading.local()
 
 
 def _memoised(key: tuple[int, int], words: Callable[[], Any]) -> Any:
     """``words()``, once per key during a search (outside one: every time)."""
-    memo = getattr(_names, "memo", None)
-    if memo is None:
+    search = getattr(_names, "search", None)
+    if search is None:
         return words()
+    memo = search.memo
     if key not in memo:
         memo[key] = words()
     return memo[key]
@@ -459,7 +533,7 @@ _MODULE_SLOTS = (("_buffers", "buffer"), ("_parameters", "parameter"), ("_module
 
 def _module_slot(d: dict, ignore: set[int]) -> tuple[str, torch.nn.Module] | None:
     """(``buffer``/``parameter``/``submodule``, the module) where ``d`` is a torch module's dict of those."""
-    for ref in gc.get_referrers(d):
+    for ref in _referrers(d):
         if id(ref) in ignore or type(ref) is not dict:
             continue
         kind = next((k for attr, k in _MODULE_SLOTS if ref.get(attr) is d), None)
@@ -473,7 +547,7 @@ def _module_slot(d: dict, ignore: set[int]) -> tuple[str, torch.nn.Module] | Non
 def _dict_owner(d: dict, ignore: set[int], key: Any, obj: Any) -> Any:
     """The object whose ``__dict__`` ``d`` is, or the class whose namespace it is (a class shows it as a
     mappingproxy, so it is told by holding ``obj`` under ``key``), or None. One pass over the referrers."""
-    for ref in gc.get_referrers(d):
+    for ref in _referrers(d):
         if id(ref) in ignore or isinstance(ref, (dict, list, tuple, types.FrameType)):
             continue
         if issubclass(type(ref), type):
