@@ -300,3 +300,48 @@ def test_engine_sequence_under_expandable_segments(pytester, monkeypatch, teardo
     else:
         assert "KINDS ['error', 'expandable_teardown']" in out
         assert "killed by signal SIGSEGV" in out and "was reset at " in out and site in out
+
+
+RESETS_FIRST = '''
+from cudagraph_lifecycle.conformance import Ctx
+
+class ResetsFirst:
+    """Resets its graph, then drops the static output it keeps: a block of the pool is alive at the reset."""
+    def __init__(self, backend):
+        self.be = backend
+    def capture(self):
+        self.graph = self.be.new_graph()
+        self.out = Ctx(self.be).step(self.graph, self.be.graph_pool_handle())
+    def run(self, x):
+        self.graph.replay()
+        return self.out.clone()
+    def release(self):
+        self.graph.reset()
+        del self.out
+
+def resets_first(backend):
+    return ResetsFirst(backend)
+'''
+
+
+def test_a_reported_teardown_that_did_not_crash_is_in_its_engines_record(pytester, monkeypatch):
+    """report: the reset goes through and nothing crashes (the block went before any flush), yet the cycle's
+    record and the session's section carry the finding, with its fix; it fails the cycle only under strict."""
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    pytester.makepyfile(resets_first=RESETS_FIRST, test_t='''
+        from resets_first import resets_first
+
+        def test_seq(engine_sequence):
+            engine_sequence(resets_first, 2, output="drop")
+            for rec in engine_sequence.records:
+                print("REC", rec["verdict"], rec["failed"], [p["kind"] for p in rec["problems"]],
+                      [f["kind"] for f in rec["sanitizer"]])
+    ''')
+    res = pytester.runpytest_subprocess("-p", "cudagraph", "-p", "no:cacheprovider", "-s", "--cudagraph-backend=sim",
+                                        "--cudagraph-expandable-teardown=report")
+    res.assert_outcomes(passed=1)
+    out = res.stdout.str()
+    assert out.count("REC fresh False ['sanitizer'] ['expandable_teardown']") == 2
+    assert "! sanitizer: expandable_teardown: the last graph of pool (0, 1) was reset at " in out
+    assert "resets_first.py:14 in release while 16 KiB (16384 bytes) of it were alive" in out
+    assert "so the graph goes last" in out and "2 sanitizer finding(s)" in out

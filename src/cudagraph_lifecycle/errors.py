@@ -74,6 +74,9 @@ class ExpandableSegmentsHazardError(CudaGraphLifecycleError):
 
 # the fix for a pool id kept across engines, in every message that finds one
 FRESH_POOL_FIX = "Mint a fresh pool per engine (cudagraph_lifecycle.LazyPool) instead of keeping its id"
+# the fix for a pool's last graph reset while blocks of it live, under expandable segments
+EXPANDABLE_TEARDOWN_FIX = ("Drop (or copy out and drop) every output and tensor of the pool's captures before the "
+                           "reset, so the graph goes last")
 RECAPTURE_FIX = ("The engine that made the pool captures into it again after resetting all its graphs (an eviction, "
                  "a recapture at a new size): capture the new graph before resetting the old one (a pool lives "
                  "while one of its graphs is captured), or give the recapture a new pool id (graph_pool_handle() "

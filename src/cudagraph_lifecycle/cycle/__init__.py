@@ -156,10 +156,13 @@ def run_cycle(
     san = global_sanitizer()
     if san is not None and san.backend.world == be.world:
         # pinned pools and unreleased graphs are in the verdict already; what else the sanitizer saw (a capture
-        # it refused on the default stream, whose error the engine caught: it then ran eagerly):
+        # it refused on the default stream, whose error the engine caught: it then ran eagerly; a teardown under
+        # expandable segments it only reported):
         raised = any(p.message.startswith("DefaultStreamCaptureError") for p in rec.problems)  # (in it already)
+        refused = any(p.kind == "expandable_teardown" for p in rec.problems)
         found = [f for f in san.findings() if f.engine == label and (
-            f.kind == "pool_never_retired" or (f.kind == "default_stream_capture" and not raised))]
+            f.kind == "pool_never_retired" or (f.kind == "default_stream_capture" and not raised)
+            or (f.kind == "expandable_teardown" and not refused))]
         rec.sanitizer = [f.as_dict() for f in found]
         for f in found:
             if f.kind in PREVENTED_KINDS:  # the engine never captured, and without the sanitizer it poisons

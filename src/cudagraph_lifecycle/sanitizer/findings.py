@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..backends import Backend, PoolId
-from ..errors import stale_fix
+from ..errors import EXPANDABLE_TEARDOWN_FIX, stale_fix
 from ..ledger import Stack, graph_sites, ledger
 from ..sizes import size_text
 from .stale import side_stream_fix
@@ -60,7 +60,7 @@ def collect(backend: Backend, since: int = 0, scope: str | None = None) -> list[
                 "expandable_teardown", h.key[2], h.key[1], h.live_bytes,
                 f"the last graph of pool {h.key[2]} was reset at {h.reset_site or '(unknown)'} while "
                 f"{size_text(h.live_bytes)} of it were alive, under expandable_segments:True: freeing them after the "
-                "pool's teardown can crash the process (SIGSEGV)",
+                f"pool's teardown can crash the process (SIGSEGV). {EXPANDABLE_TEARDOWN_FIX}",
                 h.stacks or (h.reset_at,), h.owner, h.sites, tuple(t for t in (h.test,) if t)))
     for d in list(ledger.default_stream):
         if d.key[0] == world and d.seq > since and (scope is None or d.scope == scope):

@@ -4,7 +4,13 @@ and (under expandable segments) the reset of a pool's last graph while blocks of
 from __future__ import annotations
 
 from ..backends import Backend
-from ..errors import DefaultStreamCaptureError, ExpandableSegmentsHazardError, StalePoolError, stale_fix
+from ..errors import (
+    EXPANDABLE_TEARDOWN_FIX,
+    DefaultStreamCaptureError,
+    ExpandableSegmentsHazardError,
+    StalePoolError,
+    stale_fix,
+)
 from ..ledger import DefaultStreamCapture, StaleAttempt, TeardownHazard
 from ..sizes import size_text
 
@@ -71,8 +77,7 @@ def hazard_error(hazard: TeardownHazard, mode: str = "on") -> ExpandableSegments
         f"reset of the last graph of pool {tuple(pool_id)} on device {device} at {hazard.reset_site or '(unknown)'} "
         f"while {size_text(hazard.live_bytes)} allocated in its captures are alive, under expandable_segments:True: "
         "freeing such blocks after the pool's teardown crashed torch 2.11 on the H200 (SIGSEGV, a glibc abort, "
-        "or 'cudaMalloc_count > 0 INTERNAL ASSERT FAILED' in empty_cache). Drop (or copy out and drop) every "
-        "output and tensor of the pool's captures before the reset, so the graph goes last. "
+        f"or 'cudaMalloc_count > 0 INTERNAL ASSERT FAILED' in empty_cache). {EXPANDABLE_TEARDOWN_FIX}. "
         f"The graph was NOT reset ({why}).{f' The pool was made by {hazard.owner}.' if hazard.owner else ''}\n"
         f"--- the reset at ---\n{hazard.reset_at}{stacks}")
     err.pool_id, err.device, err.live_bytes, err.reset_site = tuple(pool_id), device, hazard.live_bytes, \
