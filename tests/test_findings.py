@@ -112,6 +112,24 @@ def test_a_suspended_generator_and_who_keeps_it_are_named():
         san.stop()
 
 
+def _reader_of(y):
+    def read():
+        return y.sum()
+    return read
+
+
+@pytest.mark.usefixtures("heap")
+def test_a_closure_of_the_users_is_named_with_who_keeps_the_function():
+    be, san, key = _pinned(lambda y: HELD.__setitem__("readers", [_reader_of(y)]))  # a cache of callables
+    try:
+        (pin,) = what_pins(be, [key])
+        assert pin.holder == ("a tensor (16,) float32 held as a closure variable of _reader_of.<locals>.read "
+                              f"({__file__}) (an item of a list (key `readers` of a dict (global `HELD` of module "
+                              "test_findings)))")
+    finally:
+        HELD.clear()
+
+
 @pytest.mark.usefixtures("heap")
 def test_a_buffer_of_a_module_is_named():
     mod = torch.nn.Module()

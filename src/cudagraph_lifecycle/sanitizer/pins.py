@@ -284,7 +284,9 @@ def _holder(obj: Any, ignore: set[int], depth: int = 3) -> str | None:
             if not is_user_file(owner.__code__.co_filename):  # torch's closures are not what the user can drop:
                 library.append(ref)  # a holder of the user's comes first (a module torch wrapped refers back)
                 continue
-            return f"a closure variable of {owner.__qualname__} ({owner.__code__.co_filename})"
+            # and who keeps the function (a cache of callables, an attribute): what the user drops
+            what = f"a closure variable of {owner.__qualname__} ({owner.__code__.co_filename})"
+            up = _up(owner, ignore | {id(ref)}, depth)
         elif issubclass(type(ref), type):  # a class attribute, found among frozen holders (_frozen_holders)
             key = next((k for k, v in vars(ref).items() if v is obj), None)
             if key is None:
