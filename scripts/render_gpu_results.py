@@ -19,8 +19,15 @@ def load(folder: str, name: str):
     return json.load(open(path)) if os.path.exists(path) else None
 
 
+def gpu_name(summary: str) -> str:
+    """The card's short name from the summary's GPU line ("NVIDIA H100 80GB HBM3, driver ..." -> "H100")."""
+    m = re.search(r"^- GPU: (?:NVIDIA )?([^,\s]+)", summary, re.M)
+    return m.group(1) if m else "GPU"
+
+
 def main(folder: str) -> None:
-    print(open(os.path.join(folder, "summary.md")).read().strip())
+    summary = open(os.path.join(folder, "summary.md")).read().strip()
+    print(summary)
     conf = load(folder, "conformance-cuda.json")
     if conf:
         sim = {r["scenario"]: r["outcome"] for r in run_table("sim")}
@@ -28,7 +35,7 @@ def main(folder: str) -> None:
         same = sum(sim[r["scenario"]] == r["outcome"] for r in rows)
         print(f"\n## Conformance: cuda vs sim ({same}/{len(rows)} identical; "
               f"{sum(r['match'] for r in rows)}/{len(rows)} cuda outcomes as expected)\n")
-        print("| scenario | cuda (H200) | sim (CPU) | same |\n|---|---|---|---|")
+        print(f"| scenario | cuda ({gpu_name(summary)}) | sim (CPU) | same |\n|---|---|---|---|")
         for r in rows:
             s = sim[r["scenario"]]
             print(f"| {r['scenario']} | {r['outcome']} | {s} | {'yes' if s == r['outcome'] else '**NO**'} |")

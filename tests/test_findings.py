@@ -219,6 +219,16 @@ def test_what_torch_keeps_in_closures_is_named_by_what_the_user_holds():
         san.stop()
 
 
+class _Lone:
+    pass
+
+
+def test_the_searchs_own_closures_are_no_holder():
+    # naming who holds an object runs in a closure that refers to it (memoised words): on the H100 a module
+    # only a reference cycle kept was named "a closure variable of _up.<locals>.words (.../pins.py)"
+    assert pins._up(_Lone(), set(), 3) == ""
+
+
 def test_a_graph_torch_keeps_in_a_closure_is_named_by_what_the_user_holds():
     from cudagraph_lifecycle.sanitizer.pins import graph_holder
 

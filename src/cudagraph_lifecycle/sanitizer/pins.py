@@ -279,8 +279,8 @@ def _holder(obj: Any, ignore: set[int], depth: int = 3) -> str | None:
                         f"({frame.f_code.co_filename}:{frame.f_lineno})"), _up(ref, ignore, depth)
         elif isinstance(ref, types.CellType):
             owner = _cell_owner(ref)
-            if owner is None:
-                continue  # a cell of a function now running: its frame, not a holder Python can name
+            if owner is None or is_machinery(owner.__code__.co_filename):
+                continue  # a cell of a function now running (its frame), or of this search's own closures
             if not is_user_file(owner.__code__.co_filename):  # torch's closures are not what the user can drop:
                 library.append(ref)  # a holder of the user's comes first (a module torch wrapped refers back)
                 continue
@@ -343,7 +343,9 @@ def _library_parent(ref: Any, node: Any, skip: set[int]) -> Any:
     nowhere (a class's mro); ``_USER`` where it is the user's. ``skip``: the search's own containers."""
     if isinstance(ref, types.CellType):
         fn = _cell_owner(ref)
-        return None if fn is None else fn if _is_library(fn) else _USER
+        if fn is None or is_machinery(fn.__code__.co_filename):  # (this search's own closures lead nowhere)
+            return None
+        return fn if _is_library(fn) else _USER
     if isinstance(ref, (staticmethod, classmethod, types.MethodType, functools_partial)):
         return ref
     if isinstance(ref, tuple):  # a class's bases or mro leads nowhere; any other tuple is a container
