@@ -462,9 +462,9 @@ class _Search:
 
     def referrers(self, obj: Any) -> _Found:
         index = self.index
-        if index is None:
+        if index is None or not gc.is_tracked(obj):  # (the index has no key for an untracked object)
             self.scans += 1
-            if self.scans <= _INDEX_AFTER or not gc.is_tracked(obj):
+            if index is not None or self.scans <= _INDEX_AFTER or not gc.is_tracked(obj):
                 return _Found(gc.get_referrers(obj))
             index = self.index = _heap_index()
         found = index.get(id(obj))
@@ -479,7 +479,7 @@ class _Search:
 
 def _heap_index() -> dict[int, Any]:
     """id of each tracked object -> what ``gc.get_referrers`` would give for it (bare where one), but this
-    search's own lists and frames. Objects the collector does not track are no key: nothing is looked up for them here."""
+    search's own lists and frames. An object the collector does not track is no key (it is scanned for)."""
     index: dict[int, Any] = {}
     get, tracked, referents = index.get, gc.is_tracked, gc.get_referents
     for o in gc.get_objects():
