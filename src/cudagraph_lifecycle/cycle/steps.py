@@ -404,9 +404,8 @@ def judge(be: Backend, rec: CycleRecord, output: Any, hold: bool, declared: list
     # the caller does, and the next engine may replace that holder before the output is dropped
     stray = beyond_output(be, pinned, output) if held_output else []
     others = [p for p in what_pins(be, pinned, {id(t): OUTPUT_HELD for t in leaves(output)}, clear_workspaces=False,
-                                   only=stray)
-              if p.cause in ("python_reference", "autograd_history") and OUTPUT_HELD not in p.holder
-              and "(inferred" not in p.holder] if stray else []
+                                   only=stray, infer=False)
+              if p.cause in ("python_reference", "autograd_history") and OUTPUT_HELD not in p.holder] if stray else []
     if held_output and not others:
         rec.held_bytes = total  # judged again once the caller drops it (check_held)
     elif held_output:

@@ -77,11 +77,13 @@ def describe(pins: list[Pin]) -> str:
 
 
 def what_pins(backend: Backend, keys: list[Key], known: dict[int, str] | None = None,
-              clear_workspaces: bool = True, only: list[tuple[int, int]] | None = None) -> list[Pin]:
+              clear_workspaces: bool = True, only: list[tuple[int, int]] | None = None,
+              infer: bool = True) -> list[Pin]:
     """The holders of the live blocks of the pools ``keys`` (world, device, pool id), largest first. ``known``
     names objects the caller knows (id -> words, e.g. the copy of an output a caller keeps). Without
     ``clear_workspaces`` nothing of the allocator is touched (no library workspace is cleared to find one).
-    ``only``: the spans of the blocks to explain (the rest are left out)."""
+    ``only``: the spans of the blocks to explain (the rest are left out). Without ``infer``, what nothing
+    names is ``unknown``, not put down to an autograd graph that saved tensors autograd no longer hands back."""
     blocks = [(*b.span, b.size, k[1]) for k in keys for b in backend.live_blocks(k[2], k[1]) if b.span]
     if only is not None:
         wanted = set(only)
@@ -109,7 +111,7 @@ def what_pins(backend: Backend, keys: list[Key], known: dict[int, str] | None = 
     del tensors
     if len(owner) < len(blocks) and clear_workspaces:
         _workspaces(backend, keys, blocks, owner)
-    if blind is not None:  # what is left is most likely what tensors that graph saved hold
+    if blind is not None and infer:  # what is left is most likely what tensors that graph saved hold
         for i in range(len(blocks)):
             owner.setdefault(i, ("autograd_history", f"{blind} (inferred: tensors it saved were overwritten in "
                                                      "place since, so autograd will not hand them back to compare)"))
@@ -461,13 +463,14 @@ class _Search:
         self.index: dict[int, Any] | None = None
 
     def referrers(self, obj: Any) -> _Found:
-        index = self.index
-        if index is None or not gc.is_tracked(obj):  # (the index has no key for an untracked object)
+        if not gc.is_tracked(obj):  # the index has no key for it
+            return _Found(gc.get_referrers(obj))
+        if self.index is None:
             self.scans += 1
-            if index is not None or self.scans <= _INDEX_AFTER or not gc.is_tracked(obj):
+            if self.scans <= _INDEX_AFTER:
                 return _Found(gc.get_referrers(obj))
-            index = self.index = _heap_index()
-        found = index.get(id(obj))
+            self.index = _heap_index()
+        found = self.index.get(id(obj))
         return _Found(() if found is None else found if type(found) is _Multi else (found,))
 
     def close(self) -> None:
