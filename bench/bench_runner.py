@@ -408,23 +408,41 @@ def bench_flush_path(be, rounds=60, pinned=8, graphs=8, body="one op"):
         finally:
             wrapper_cost.unpatch(saved)
 
-    capture_ms(), sanitized(), bare()
-    sides = (capture_ms, sanitized, bare)
+    from cudagraph_lifecycle.observe import compiled
+
+    def sanitized_python():  # the sanitizer with its capture path in Python (installed anew for each round)
+        before = os.environ.get("CUDAGRAPH_CAPTURE_PATH")
+        os.environ["CUDAGRAPH_CAPTURE_PATH"] = "python"
+        try:
+            return sanitized()
+        finally:
+            if before is None:
+                del os.environ["CUDAGRAPH_CAPTURE_PATH"]
+            else:
+                os.environ["CUDAGRAPH_CAPTURE_PATH"] = before
+
+    sides = (capture_ms, sanitized, bare) + ((sanitized_python,) if compiled.path() == "compiled" else ())
+    for side in sides:
+        side()
     times: dict = {side: [] for side in sides}
-    for i in range(rounds):  # each side first, second and third in turn
-        for side in sides[i % 3:] + sides[:i % 3]:
+    for i in range(rounds):  # each side first, second, ... in turn
+        k = i % len(sides)
+        for side in sides[k:] + sides[:k]:
             times[side].append(side())
-    plain, watched, floor = times[capture_ms], times[sanitized], times[bare]
-    ratios = sorted(b / a for a, b in zip(plain, watched))
-    floor_ratios = sorted(b / a for a, b in zip(plain, floor))
     del kept
-    return {"pinned_pools": pinned, "graphs": graphs, "rounds": rounds, "body": body,
-            "capture_ms": statistics.median(plain), "capture_ms_sanitized": statistics.median(watched),
-            "overhead": statistics.median(ratios) - 1, "target_overhead": 0.05,
-            "overhead_iqr": [ratios[len(ratios) // 4] - 1, ratios[-len(ratios) // 4 - 1] - 1],
-            "overhead_of_bare_wrappers": statistics.median(floor_ratios) - 1,
-            "overhead_of_bare_wrappers_iqr": [floor_ratios[len(floor_ratios) // 4] - 1,
-                                              floor_ratios[-len(floor_ratios) // 4 - 1] - 1]}
+
+    def overhead(side) -> tuple[float, list[float]]:
+        ratios = sorted(b / a for a, b in zip(times[capture_ms], times[side]))
+        return statistics.median(ratios) - 1, [ratios[len(ratios) // 4] - 1, ratios[-len(ratios) // 4 - 1] - 1]
+
+    out = {"pinned_pools": pinned, "graphs": graphs, "rounds": rounds, "body": body,
+           "capture_path": compiled.path(), "capture_ms": statistics.median(times[capture_ms]),
+           "capture_ms_sanitized": statistics.median(times[sanitized]), "target_overhead": 0.05}
+    out["overhead"], out["overhead_iqr"] = overhead(sanitized)
+    out["overhead_of_bare_wrappers"], out["overhead_of_bare_wrappers_iqr"] = overhead(bare)
+    if sanitized_python in times:  # the same rounds with the Python capture path: what compiling it saves
+        out["overhead_python_path"], out["overhead_python_path_iqr"] = overhead(sanitized_python)
+    return out
 
 
 def sanitized_profile(be, capture, top=15):

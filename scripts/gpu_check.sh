@@ -67,6 +67,8 @@ print(f"- GPU: {torch.cuda.get_device_name(0)}, driver "
                        capture_output=True, text=True).stdout.strip())
 import pytest, importlib.metadata as md
 print(f"- pytest {pytest.__version__}, pytest-cudagraph {md.version('pytest-cudagraph')}")
+from cudagraph_lifecycle.observe import compiled
+print(f"- capture path: {compiled.describe()}")
 print("- sources (`bash scripts/source_hash.sh`): "
       + subprocess.run(["bash", "scripts/source_hash.sh"], capture_output=True, text=True).stdout.strip())
 PY

@@ -81,10 +81,15 @@ def main(folder: str) -> None:
             print(f"| sanitizer: replay step ratio | {san['step_ratio']:.3f} | within noise |")
         for fl in br.get("flush", []):
             body = fl.get("body", "one op")
+            path = f", capture path {fl['capture_path']}" if "capture_path" in fl else ""
             print(f"| sanitizer: `torch.cuda.graph` captures of {body} (a cache flush each) with {fl['pinned_pools']} "
-                  f"released pools pinned | {fl['overhead'] * 100:+.1f}% ({fl['capture_ms_sanitized']:.2f} vs "
+                  f"released pools pinned{path} | {fl['overhead'] * 100:+.1f}% ({fl['capture_ms_sanitized']:.2f} vs "
                   f"{fl['capture_ms']:.2f} ms for {fl['graphs']} graphs; IQR {fl['overhead_iqr'][0] * 100:+.1f} … "
                   f"{fl['overhead_iqr'][1] * 100:+.1f}%) | {'≤ 5%' if body == 'one op' else ''} |")
+            if "overhead_python_path" in fl:
+                lo, hi = fl["overhead_python_path_iqr"]
+                print(f"| the same, {fl['pinned_pools']} pinned, the capture path in Python (same rounds) | "
+                      f"{fl['overhead_python_path'] * 100:+.1f}% (IQR {lo * 100:+.1f} … {hi * 100:+.1f}%) | |")
             if "overhead_of_bare_wrappers" in fl:
                 lo, hi = fl["overhead_of_bare_wrappers_iqr"]
                 print(f"| the same, {fl['pinned_pools']} pinned, with the four calls only wrapped by functions that call "

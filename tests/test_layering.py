@@ -20,10 +20,11 @@ def _module_name(pkg: str, path: Path) -> str:
 def _imports() -> dict[str, set[str]]:
     """Every module of both packages -> the modules of both packages it imports (at any depth of the code,
     except under ``if TYPE_CHECKING``)."""
-    modules = {}
+    modules, compiled = {}, set()
     for pkg, folder in PACKAGES.items():
         for path in folder.rglob("*.py"):
             modules[_module_name(pkg, path)] = path
+        compiled |= {_module_name(pkg, path) for path in folder.rglob("*.c")}  # extension modules import nothing
     graph = {}
     for name, path in modules.items():
         is_pkg = path.name == "__init__.py"
@@ -42,7 +43,8 @@ def _imports() -> dict[str, set[str]]:
                     base = base.rsplit(".", 1)[0]
                 mod = (f"{base}.{node.module}" if node.module else base) if node.level else node.module
                 # `from pkg import sub` depends on the submodule; `from mod import name` on the module
-                targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in modules else mod for a in node.names]
+                targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in modules or f"{mod}.{a.name}" in compiled else mod
+                           for a in node.names]
             else:
                 continue
             deps |= {t for t in targets if t in modules and t != name}

@@ -26,3 +26,22 @@ def checked_from_env(environ) -> bool:
         return False
     raise ConfigError(f"CUDAGRAPH_CHECKED={raw!r} is not a boolean: set it to 1 (checked mode for every runner that "
                       "does not choose) or 0, or unset it")
+
+
+# CUDAGRAPH_CAPTURE_PATH: how the observation layer runs capture_begin's common path; ``auto`` takes the
+# compiled one where it was built (an optional extension) and Python otherwise
+CAPTURE_PATHS = ("auto", "compiled", "python")
+
+
+def capture_path_from_env(environ) -> str:
+    """``CUDAGRAPH_CAPTURE_PATH``: ``auto`` (unset too), ``compiled`` or ``python``; anything else is an error
+    naming the variable."""
+    from .errors import ConfigError
+
+    raw = environ.get("CUDAGRAPH_CAPTURE_PATH", "")
+    value = raw.strip().lower() or "auto"
+    if value not in CAPTURE_PATHS:
+        raise ConfigError(f"CUDAGRAPH_CAPTURE_PATH={raw!r} is not one of {', '.join(CAPTURE_PATHS)}: set it to "
+                          "'python' to observe captures in Python only, 'compiled' to require the compiled path "
+                          "(an error where it was not built), or unset it")
+    return value

@@ -19,7 +19,7 @@ from typing import Any
 
 from ..backends import graph_apis
 from ..ledger import ledger
-from . import wrappers
+from . import compiled, wrappers
 from .wrappers import Hooks, Judge
 
 _lock = threading.RLock()
@@ -39,11 +39,17 @@ def _patch(owner: Any, name: str, make) -> None:
     setattr(owner, name, make(original))
 
 
+def _capture_begin(api, original, record, path: str):
+    python = wrappers.capture_begin(api, hooks, original, record)
+    return python if path == "python" else compiled.capture_begin(api, hooks, original, python)
+
+
 def _install() -> None:
+    path = compiled.path()  # (a bad CUDAGRAPH_CAPTURE_PATH raises here, before anything is patched)
     for api in graph_apis():
         cls = api.graph_cls
         record = wrappers.recorder(hooks)
-        _patch(cls, "capture_begin", lambda f, a=api, r=record: wrappers.capture_begin(a, hooks, f, r))
+        _patch(cls, "capture_begin", lambda f, a=api, r=record: _capture_begin(a, f, r, path))
         _patch(cls, "capture_end", lambda f, a=api: wrappers.capture_end(a, hooks, f))
         (*_, begin), (*_, end) = _saved[-2:]
         _direct[cls] = (wrappers.DirectCapture(hooks, begin, end, record), cls.capture_begin, cls.capture_end)

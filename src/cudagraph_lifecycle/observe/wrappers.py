@@ -129,6 +129,16 @@ class Hooks:
             self.ledger.replaced(old)
         self.ledger.add_graph(g)
 
+    def untagged(self, graph: Any, g: GraphEntry) -> None:
+        """A graph that takes no attribute: its entry kept beside it, and counted at once."""
+        self.tag(graph, g)
+        with self.ledger.lock:
+            self.ledger.add_graph(g)
+
+    def drain(self) -> None:
+        with self.ledger.lock:
+            self.ledger.drain()
+
     def entry_of(self, graph: Any) -> GraphEntry | None:
         g = getattr(graph, TAG, None)
         if type(g) is not GraphEntry:  # (a class's __getattr__ may answer anything)
@@ -165,15 +175,12 @@ def recorder(hooks: Hooks) -> Callable[..., GraphEntry]:
         try:
             setattr(graph, TAG, g)  # an attribute, not the graph's __dict__: no dict is made for it
         except (AttributeError, TypeError):
-            hooks.tag(graph, g)
-            with led.lock:
-                led.add_graph(g)
+            hooks.untagged(graph, g)
         else:
             # an entry alone: counted at the drain
             pending.append(g if type(old) is not GraphEntry else (register, (g, old)))
             if len(pending) > 256:  # a process that only captures must not grow the queue for ever
-                with led.lock:
-                    led.drain()
+                hooks.drain()
         if world is not last_world:
             if world not in worlds:
                 hooks.saw(be)
@@ -235,11 +242,7 @@ def capture_begin(api: GraphAPI, hooks: Hooks, original, record: Callable[..., G
         try:
             original(graph, given, *args, **kwargs)
         except Exception as e:
-            if TORCH_DEFAULT_STREAM_REFUSAL in str(e):  # torch's refusal, not judged first: random ops are poisoned
-                try:
-                    hooks.default_stream(be, device_of(graph), pool, None)
-                except Exception:
-                    pass  # torch's error is what the caller must see
+            begin_failed(hooks, device_of, graph, be, pool, e)
             raise
         if device is None:  # read after the original, which leaves what it reads warm
             device = current_device() if current_device is not None else device_of(graph)
@@ -257,6 +260,16 @@ def capture_begin(api: GraphAPI, hooks: Hooks, original, record: Callable[..., G
         record(graph, be, device, pool, frames)
 
     return wrapper
+
+
+def begin_failed(hooks: Hooks, device_of, graph: Any, be: Backend, pool: tuple | None, e: BaseException) -> None:
+    """capture_begin raised. Torch's refusal of the default stream, not judged first, has poisoned the
+    process's random ops: recorded. Never raises (torch's error is what the caller must see)."""
+    if TORCH_DEFAULT_STREAM_REFUSAL in str(e):
+        try:
+            hooks.default_stream(be, device_of(graph), pool, None)
+        except Exception:
+            pass
 
 
 class DirectCapture:

@@ -1,0 +1,69 @@
+"""The compiled capture path: which capture_begin wrapper this process installs, and how the compiled one is
+built around the Python one.
+
+``_capture`` (an optional C extension, built at install where a compiler is found) runs the wrapper's common
+path; every call off it goes to the Python wrapper (:func:`.wrappers.capture_begin`), so both give the ledger
+the same entries. ``CUDAGRAPH_CAPTURE_PATH`` chooses: ``auto`` (the default) takes the compiled path where it
+was built, ``python`` never does, ``compiled`` is an error where it was not built (a benchmark or a CI job
+that must measure it).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+from ..backends.base import GraphAPI
+from ..choices import capture_path_from_env
+from ..errors import ConfigError
+from ..ledger import CAPTURE_STACK_DEPTH, GraphEntry
+from .wrappers import TAG, Hooks, begin_failed
+
+try:
+    from . import _capture
+except ImportError as e:  # not built (no compiler at install): the Python path, and why
+    _capture = None
+    _missing = f"{type(e).__name__}: {e}"
+else:
+    _missing = ""
+
+
+def path() -> str:
+    """``compiled`` or ``python``: the capture path the observation layer installs now."""
+    chosen = capture_path_from_env(os.environ)
+    if chosen == "python":
+        return "python"
+    if _capture is None:
+        if chosen == "compiled":
+            raise ConfigError("CUDAGRAPH_CAPTURE_PATH=compiled, but the compiled capture path was not built "
+                              f"({_missing}): reinstall with a C compiler and Python's headers present "
+                              "(pip install --force-reinstall --no-deps .), or unset the variable")
+        return "python"
+    return "compiled"
+
+
+def describe() -> str:
+    """The capture path and, for the Python one, why: for reports and benchmarks."""
+    chosen = capture_path_from_env(os.environ)
+    if chosen == "python":
+        return "python (CUDAGRAPH_CAPTURE_PATH=python)"
+    return "compiled" if _capture is not None else f"python (the compiled path was not built: {_missing})"
+
+
+def capture_begin(api: GraphAPI, hooks: Hooks, original, python) -> Any:
+    """The compiled wrapper of ``original`` (``api``'s capture_begin): what ``python``, the Python wrapper of
+    the same original, does, handing it every call off the common path."""
+    led = hooks.ledger
+    w = _capture.CaptureBegin(
+        original=original, fallback=python, proc=api.process_cls, backend_of=api.graph_backend,
+        current_device=api.current_device, device_of=api.capture_device,
+        # the Python wrapper reads the streams only where both readers exist
+        stream_of=api.current_stream if api.default_stream is not None else None, default_of=api.default_stream,
+        on_default=api.on_default_stream, judges=hooks.judges, dead_ids=led.dead.ids,
+        pending_keys=led.pending_keys, ledger=led, seq_counter=led.seq_counter, pending=led.pending,
+        entry_cls=GraphEntry, gone=hooks._gone, tag=TAG, worlds=hooks.worlds, saw=hooks.saw,
+        untagged=hooks.untagged, register=hooks.register, drain=hooks.drain,
+        begin_failed=functools.partial(begin_failed, hooks, api.capture_device), depth=CAPTURE_STACK_DEPTH)
+    functools.update_wrapper(w, original)
+    return w

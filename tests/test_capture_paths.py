@@ -1,0 +1,79 @@
+"""The compiled capture path (observe/_capture.c) and the Python one give the ledger the same entries, field by
+field, down every branch of capture_begin (tests/capture_path_cases.py, run once per path in a fresh
+process); ``CUDAGRAPH_CAPTURE_PATH`` chooses between them, and a bad value names the variable."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cudagraph_lifecycle.choices import capture_path_from_env
+from cudagraph_lifecycle.errors import ConfigError
+
+CASES = Path(__file__).with_name("capture_path_cases.py")
+
+
+def _cases(path: str) -> dict:
+    env = {**os.environ, "CUDAGRAPH_CAPTURE_PATH": path}
+    env.pop("CUDAGRAPH_SANITIZE", None)
+    done = subprocess.run([sys.executable, str(CASES)], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+def test_both_capture_paths_give_the_ledger_the_same_entries():
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler here: the compiled capture path cannot have been built")
+    compiled, python = _cases("compiled"), _cases("python")
+    # the compiled path took the common captures and handed the rest to Python: a pool given twice, a pool as
+    # a list, a dead pool judged and one not, the default stream judged, an event queued
+    assert compiled["counts"]["compiled_calls"] >= 300 and compiled["counts"]["python_calls"] >= 6, compiled["counts"]
+    assert python["counts"] == {"compiled_calls": None, "python_calls": None}
+    assert len(compiled["entries"]) > 300 and compiled["stale"] and compiled["default_stream"]
+    assert compiled["failed_captures"] and compiled["outcomes"]["pools"]
+    for part in ("outcomes", "stale", "default_stream", "failed_captures"):
+        assert compiled[part] == python[part], part
+    for c, p in zip(compiled["entries"], python["entries"], strict=True):
+        assert c == p
+    # the stack each capture keeps starts at the caller of capture_begin, on both paths
+    first = compiled["entries"][0]["frames"]
+    assert first[0][0] == "go" and first[1][0] == "attempt", first
+
+
+def test_the_capture_path_variable_is_checked():
+    assert capture_path_from_env({}) == "auto"
+    assert capture_path_from_env({"CUDAGRAPH_CAPTURE_PATH": " Python "}) == "python"
+    with pytest.raises(ConfigError, match=r"CUDAGRAPH_CAPTURE_PATH='c' is not one of auto, compiled, python"):
+        capture_path_from_env({"CUDAGRAPH_CAPTURE_PATH": "c"})
+
+
+def test_a_bad_capture_path_stops_the_install_and_names_the_variable():
+    code = ("from cudagraph_lifecycle import observe\n"
+            "try:\n    observe.acquire()\nexcept Exception as e:\n    print(type(e).__name__, e)\n"
+            "print('installed', observe.installed())\n")
+    env = {**os.environ, "CUDAGRAPH_CAPTURE_PATH": "fast"}
+    env.pop("CUDAGRAPH_SANITIZE", None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60).stdout
+    assert "ConfigError CUDAGRAPH_CAPTURE_PATH='fast'" in out and "installed False" in out, out
+
+
+@pytest.mark.parametrize("path, kind", [("python", "function"), ("compiled", "CaptureBegin")])
+def test_the_chosen_path_is_the_one_installed_and_unwraps_to_the_original(path, kind):
+    if path == "compiled" and shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler here: the compiled capture path cannot have been built")
+    code = ("from cudagraph_lifecycle import observe\n"
+            "from cudagraph_lifecycle.backends.sim import SimGraph\n"
+            "original = SimGraph.capture_begin\n"
+            "observe.acquire()\n"
+            "w = SimGraph.capture_begin\n"
+            "print(type(w).__name__, w.__wrapped__ is original, w.__name__, observe.compiled.path())\n"
+            "observe.release()\n"
+            "print(SimGraph.capture_begin is original)\n")
+    env = {**os.environ, "CUDAGRAPH_CAPTURE_PATH": path}
+    env.pop("CUDAGRAPH_SANITIZE", None)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert done.stdout.split() == [kind, "True", "capture_begin", path, "True"], done.stdout + done.stderr
