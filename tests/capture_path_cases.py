@@ -5,6 +5,7 @@ compares the two field by field. Every world is a fresh SimBackend; worlds are n
 import gc
 import json
 import sys
+import weakref
 
 from cudagraph_lifecycle import PoolSanitizer, observe
 from cudagraph_lifecycle.backends.sim import SimBackend, SimGraph
@@ -13,6 +14,7 @@ from cudagraph_lifecycle.ledger import GraphEntry, _line_of, ledger
 worlds: dict = {}
 kept: list = []  # every graph made, so every entry can be read at the end
 entries: list[GraphEntry] = []
+made: list = []  # weak references to every backend and graph made: none may outlive the run's references
 
 
 def world_name(world) -> str:
@@ -29,6 +31,7 @@ class Slotted(SimGraph):
 def new_graph(be, cls=SimGraph):
     g = cls(be)
     kept.append(g)
+    made.extend((weakref.ref(be), weakref.ref(g)))
     return g
 
 
@@ -71,7 +74,8 @@ def scenarios() -> tuple[dict, dict]:
             ledger.drain()
         out["pools"] = sorted([world_name(k[0]), k[1], list(k[2]), e.held, e.captures, e.dead]
                               for k, e in ledger.pools.items())
-        return out, {name: getattr(SimGraph.capture_begin, name, None) for name in ("compiled_calls", "python_calls")}
+        return out, {f"{method}.{name}": getattr(getattr(SimGraph, method), name, None)
+                     for method in ("capture_begin", "capture_end") for name in ("compiled_calls", "python_calls")}
     finally:
         observe.release()
 
@@ -172,10 +176,18 @@ def main() -> None:
             seen.add(id(g))
             entries.append(g)
     entries.extend(g for g in ledger.graphs.values() if id(g) not in seen)
-    json.dump({"counts": counts, "outcomes": outcomes, "entries": [entry_fields(g) for g in sorted(entries, key=lambda g: g.gid)],
-               "stale": [event_fields(e) for e in ledger.stale],
-               "default_stream": [event_fields(e) for e in ledger.default_stream],
-               "failed_captures": [event_fields(e) for e in ledger.failed_captures]}, sys.stdout, indent=1)
+    out = {"counts": counts, "outcomes": outcomes,
+           "entries": [entry_fields(g) for g in sorted(entries, key=lambda g: g.gid)],
+           "stale": [event_fields(e) for e in ledger.stale],
+           "default_stream": [event_fields(e) for e in ledger.default_stream],
+           "failed_captures": [event_fields(e) for e in ledger.failed_captures]}
+    kept.clear()
+    entries.clear()
+    del graph, g  # (the loop's last)
+    gc.collect()
+    # a reference the capture path took and never gave back keeps its object alive
+    out["alive_after"] = sorted({type(o).__name__ for o in (r() for r in made) if o is not None})
+    json.dump(out, sys.stdout, indent=1)
 
 
 if __name__ == "__main__":

@@ -30,11 +30,16 @@ def test_both_capture_paths_give_the_ledger_the_same_entries():
         pytest.skip("no C compiler here: the compiled capture path cannot have been built")
     compiled, python = _cases("compiled"), _cases("python")
     # the compiled path took the common captures and handed the rest to Python: a pool given twice, a pool as
-    # a list, a dead pool judged and one not, the default stream judged, an event queued
-    assert compiled["counts"]["compiled_calls"] >= 300 and compiled["counts"]["python_calls"] >= 6, compiled["counts"]
-    assert python["counts"] == {"compiled_calls": None, "python_calls": None}
+    # a list, a dead pool judged and one not, the default stream judged, an event queued; and at the end, the
+    # captures whose pool is learnt only then and the graph that takes no attribute
+    counts = compiled["counts"]
+    assert counts["capture_begin.compiled_calls"] >= 300 and counts["capture_begin.python_calls"] >= 6, counts
+    assert counts["capture_end.compiled_calls"] >= 150 and counts["capture_end.python_calls"] >= 150, counts
+    assert set(python["counts"].values()) == {None}
     assert len(compiled["entries"]) > 300 and compiled["stale"] and compiled["default_stream"]
     assert compiled["failed_captures"] and compiled["outcomes"]["pools"]
+    # no reference taken on either path outlives the captures: every backend and graph is gone at the end
+    assert compiled["alive_after"] == python["alive_after"] == []
     for part in ("outcomes", "stale", "default_stream", "failed_captures"):
         assert compiled[part] == python[part], part
     for c, p in zip(compiled["entries"], python["entries"], strict=True):
@@ -61,8 +66,9 @@ def test_a_bad_capture_path_stops_the_install_and_names_the_variable():
     assert "ConfigError CUDAGRAPH_CAPTURE_PATH='fast'" in out and "installed False" in out, out
 
 
-@pytest.mark.parametrize("path, kind", [("python", "function"), ("compiled", "CaptureBegin")])
-def test_the_chosen_path_is_the_one_installed_and_unwraps_to_the_original(path, kind):
+@pytest.mark.parametrize("path, kind, end", [("python", "function", "function"),
+                                             ("compiled", "CaptureBegin", "CaptureEnd")])
+def test_the_chosen_path_is_the_one_installed_and_unwraps_to_the_original(path, kind, end):
     if path == "compiled" and shutil.which("cc") is None and shutil.which("gcc") is None:
         pytest.skip("no C compiler here: the compiled capture path cannot have been built")
     code = ("from cudagraph_lifecycle import observe\n"
@@ -71,9 +77,10 @@ def test_the_chosen_path_is_the_one_installed_and_unwraps_to_the_original(path, 
             "observe.acquire()\n"
             "w = SimGraph.capture_begin\n"
             "print(type(w).__name__, w.__wrapped__ is original, w.__name__, observe.compiled.path())\n"
+            "print(type(SimGraph.capture_end).__name__)\n"
             "observe.release()\n"
             "print(SimGraph.capture_begin is original)\n")
     env = {**os.environ, "CUDAGRAPH_CAPTURE_PATH": path}
     env.pop("CUDAGRAPH_SANITIZE", None)
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
-    assert done.stdout.split() == [kind, "True", "capture_begin", path, "True"], done.stdout + done.stderr
+    assert done.stdout.split() == [kind, "True", "capture_begin", path, end, "True"], done.stdout + done.stderr

@@ -50,7 +50,8 @@ def _install() -> None:
         cls = api.graph_cls
         record = wrappers.recorder(hooks)
         _patch(cls, "capture_begin", lambda f, a=api, r=record: _capture_begin(a, f, r, path))
-        _patch(cls, "capture_end", lambda f, a=api: wrappers.capture_end(a, hooks, f))
+        _patch(cls, "capture_end", lambda f, a=api: wrappers.capture_end(a, hooks, f) if path == "python"
+               else compiled.capture_end(hooks, f))
         (*_, begin), (*_, end) = _saved[-2:]
         _direct[cls] = (wrappers.DirectCapture(hooks, begin, end, record), cls.capture_begin, cls.capture_end)
         _patch(cls, "reset", lambda f, a=api: wrappers.reset(a, hooks, f))

@@ -1,4 +1,4 @@
-/* The capture_begin wrapper's common path, compiled (observe/compiled.py builds it; wrappers.py has the
+/* The capture_begin and capture_end wrappers' common paths, compiled (observe/compiled.py builds it; wrappers.py has the
  * whole wrapper in Python, which this one calls for everything off the common path).
  *
  * Why C: the wrapper runs right after a model's warm-up has evicted the host's caches, where each Python
@@ -8,7 +8,9 @@
  * (where a judge rules) a capture off the default stream. It calls the original, takes the caller's stack,
  * makes the graph's ledger entry (a GraphEntry, its slots set directly), tags the graph with it and queues it,
  * exactly as wrappers.recorder's record does. Anything else goes to the Python wrapper before the original is
- * called, so both paths give the ledger the same entries (tests/test_capture_paths.py compares them). */
+ * called, so both paths give the ledger the same entries (tests/test_capture_paths.py compares them).
+ * capture_end's common path (the graph's own entry, its pool known) marks the entry captured; the rest is
+ * Hooks.ended and Hooks.capture_failed, as in the Python wrapper. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <frameobject.h>
@@ -181,6 +183,22 @@ fail:
     return -1;
 }
 
+/* The call raised: hand the exception to `hook(graph, ..., exception)` (which never raises), and leave it
+ * raised for the caller (torch's error is what the caller must see). */
+static void
+tell_failure(PyObject *hook, PyObject *graph, PyObject *be, PyObject *pool)
+{
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (tb != NULL) PyException_SetTraceback(value, tb);
+    PyObject *r = be == NULL ? PyObject_CallFunctionObjArgs(hook, graph, value, NULL)
+                             : PyObject_CallFunctionObjArgs(hook, graph, be, pool, value, NULL);
+    Py_XDECREF(r);
+    PyErr_Clear();
+    PyErr_Restore(type, value, tb);
+}
+
 static PyObject *
 fall_back(CaptureBegin *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
@@ -290,14 +308,7 @@ capture_begin_call(PyObject *self_, PyObject *const *args, size_t nargsf, PyObje
     }
     PyObject *out = PyObject_Vectorcall(self->original, args, nargsf, kwnames);
     if (out == NULL) {  /* torch's refusal of the default stream poisons random ops: recorded in Python */
-        PyObject *type, *value, *tb;
-        PyErr_Fetch(&type, &value, &tb);
-        PyErr_NormalizeException(&type, &value, &tb);
-        if (tb != NULL) PyException_SetTraceback(value, tb);
-        PyObject *r = PyObject_CallFunctionObjArgs(self->begin_failed, graph, be, pool, value, NULL);
-        Py_XDECREF(r);
-        PyErr_Clear();  /* (it never raises: torch's error is what the caller must see) */
-        PyErr_Restore(type, value, tb);
+        tell_failure(self->begin_failed, graph, be, pool);
         goto fail;
     }
     Py_DECREF(out);
@@ -355,7 +366,7 @@ capture_begin_dealloc(CaptureBegin *self)
 }
 
 static PyObject *
-capture_begin_get(PyObject *self, PyObject *obj, PyObject *type)
+method_get(PyObject *self, PyObject *obj, PyObject *type)
 {   /* a method, like the Python function it stands for: bound to the graph it is read from */
     if (obj == NULL) return Py_NewRef(self);
     return PyMethod_New(self, obj);
@@ -363,13 +374,13 @@ capture_begin_get(PyObject *self, PyObject *obj, PyObject *type)
 
 /* The slot offsets of GraphEntry, read from its member descriptors: 0, or -1 with an error set. */
 static int
-read_offsets(CaptureBegin *self)
+read_offsets(PyObject *entry_cls, Py_ssize_t *offsets)
 {
-    if (!PyType_Check(self->entry_cls)) {
+    if (!PyType_Check(entry_cls)) {
         PyErr_SetString(PyExc_TypeError, "entry_cls must be ledger.GraphEntry");
         return -1;
     }
-    PyTypeObject *cls = (PyTypeObject *)self->entry_cls;
+    PyTypeObject *cls = (PyTypeObject *)entry_cls;
     if (!PyType_IsSubtype(cls, &_PyWeakref_RefType)) {
         PyErr_SetString(PyExc_TypeError, "entry_cls must be a subclass of weakref.ref");
         return -1;
@@ -385,7 +396,7 @@ read_offsets(CaptureBegin *self)
             PyErr_Format(PyExc_TypeError, "entry_cls's slot %s is not a writable object slot", slot_names[i]);
             return -1;
         }
-        self->offsets[i] = m->offset;
+        offsets[i] = m->offset;
     }
     return 0;
 }
@@ -414,7 +425,7 @@ static PyTypeObject CaptureBeginType = {
     .tp_dealloc = (destructor)capture_begin_dealloc,
     .tp_vectorcall_offset = offsetof(CaptureBegin, vectorcall),
     .tp_call = PyVectorcall_Call,
-    .tp_descr_get = capture_begin_get,
+    .tp_descr_get = method_get,
     .tp_dictoffset = offsetof(CaptureBegin, dict),
     .tp_getattro = PyObject_GenericGetAttr,
     .tp_setattro = PyObject_GenericSetAttr,
@@ -457,12 +468,149 @@ capture_begin_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     }
     if ((self->defaults = PyDict_New()) == NULL) goto fail;
     if ((self->pending_append = PyObject_GetAttrString(self->pending, "append")) == NULL) goto fail;
-    if (read_offsets(self) < 0) goto fail;
+    if (read_offsets(self->entry_cls, self->offsets) < 0) goto fail;
     return (PyObject *)self;
 fail:
     Py_DECREF(self);
     return NULL;
 }
+
+/* capture_end --------------------------------------------------------------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *dict;
+    PyObject *original, *capture_failed, *ended, *entry_cls, *tag, *ledger;
+    Py_ssize_t offsets[N_SLOTS];
+    Py_ssize_t compiled_calls, python_calls;
+} CaptureEnd;
+
+static PyObject *
+capture_end_call(PyObject *self_, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    CaptureEnd *self = (CaptureEnd *)self_;
+    if (PyVectorcall_NARGS(nargsf) < 1) return PyObject_Vectorcall(self->original, args, nargsf, kwnames);
+    PyObject *graph = args[0];
+    PyObject *out = PyObject_Vectorcall(self->original, args, nargsf, kwnames);
+    if (out == NULL) {  /* on failure the graph keeps its references through reset: recorded in Python */
+        tell_failure(self->capture_failed, graph, NULL, NULL);
+        return NULL;
+    }
+    Py_DECREF(out);
+    PyObject *g;
+    if (get_optional_attr(graph, self->tag, &g) < 0) return NULL;
+    if (g != NULL && Py_TYPE(g) == (PyTypeObject *)self->entry_cls) {
+        PyObject *pool = *(PyObject **)((char *)g + self->offsets[S_POOL]);
+        PyObject *generation = *(PyObject **)((char *)g + self->offsets[S_GENERATION]);
+        PyObject *now = PyObject_GetAttr(self->ledger, s_generation);
+        if (now == NULL) {
+            Py_DECREF(g);
+            return NULL;
+        }
+        int same = generation == NULL ? 0 : PyObject_RichCompareBool(generation, now, Py_EQ);
+        Py_DECREF(now);
+        if (same < 0) {
+            Py_DECREF(g);
+            return NULL;
+        }
+        if (same && pool != NULL && pool != Py_None) {  /* its pool known since capture_begin */
+            set_slot(g, self->offsets[S_CAPTURED], Py_NewRef(Py_True));
+            Py_DECREF(g);
+            self->compiled_calls++;
+            Py_RETURN_NONE;
+        }
+    }
+    Py_XDECREF(g);
+    self->python_calls++;  /* no entry of its own here, an entry of before a fork, or a pool learnt only now */
+    PyObject *r = PyObject_CallOneArg(self->ended, graph);
+    if (r == NULL) return NULL;
+    Py_DECREF(r);
+    Py_RETURN_NONE;
+}
+
+static int
+capture_end_traverse(CaptureEnd *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->dict);
+    Py_VISIT(self->original);
+    Py_VISIT(self->capture_failed);
+    Py_VISIT(self->ended);
+    Py_VISIT(self->entry_cls);
+    Py_VISIT(self->tag);
+    Py_VISIT(self->ledger);
+    return 0;
+}
+
+static int
+capture_end_clear(CaptureEnd *self)
+{
+    Py_CLEAR(self->dict);
+    Py_CLEAR(self->original);
+    Py_CLEAR(self->capture_failed);
+    Py_CLEAR(self->ended);
+    Py_CLEAR(self->entry_cls);
+    Py_CLEAR(self->tag);
+    Py_CLEAR(self->ledger);
+    return 0;
+}
+
+static void
+capture_end_dealloc(CaptureEnd *self)
+{
+    PyObject_GC_UnTrack(self);
+    capture_end_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *
+capture_end_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    static char *names[] = {"original", "capture_failed", "ended", "entry_cls", "tag", "ledger", NULL};
+    PyObject *o[6];
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOUO", names, &o[0], &o[1], &o[2], &o[3], &o[4], &o[5]))
+        return NULL;
+    CaptureEnd *self = (CaptureEnd *)type->tp_alloc(type, 0);
+    if (self == NULL) return NULL;
+    self->vectorcall = capture_end_call;
+    PyObject **fields[6] = {&self->original, &self->capture_failed, &self->ended, &self->entry_cls, &self->tag,
+                            &self->ledger};
+    for (int i = 0; i < 6; i++) *fields[i] = Py_NewRef(o[i]);
+    if (read_offsets(self->entry_cls, self->offsets) < 0) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    return (PyObject *)self;
+}
+
+static PyMemberDef capture_end_members[] = {
+    {"compiled_calls", T_PYSSIZET, offsetof(CaptureEnd, compiled_calls), READONLY,
+     "captures ended on the compiled path"},
+    {"python_calls", T_PYSSIZET, offsetof(CaptureEnd, python_calls), READONLY,
+     "ends handed to Hooks.ended (off the common path)"},
+    {"__dictoffset__", T_PYSSIZET, offsetof(CaptureEnd, dict), READONLY},
+    {NULL},
+};
+
+static PyTypeObject CaptureEndType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "cudagraph_lifecycle.observe._capture.CaptureEnd",
+    .tp_doc = "capture_end, observed: the common path compiled, the rest through Hooks",
+    .tp_basicsize = sizeof(CaptureEnd),
+    .tp_dealloc = (destructor)capture_end_dealloc,
+    .tp_vectorcall_offset = offsetof(CaptureEnd, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_descr_get = method_get,
+    .tp_dictoffset = offsetof(CaptureEnd, dict),
+    .tp_getattro = PyObject_GenericGetAttr,
+    .tp_setattro = PyObject_GenericSetAttr,
+    .tp_members = capture_end_members,
+    .tp_getset = capture_begin_getset,
+    .tp_traverse = (traverseproc)capture_end_traverse,
+    .tp_clear = (inquiry)capture_end_clear,
+    .tp_new = capture_end_new,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL | Py_TPFLAGS_METHOD_DESCRIPTOR | Py_TPFLAGS_HAVE_GC,
+};
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "cudagraph_lifecycle.observe._capture",
@@ -472,7 +620,7 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC
 PyInit__capture(void)
 {
-    if (PyType_Ready(&CaptureBeginType) < 0) return NULL;
+    if (PyType_Ready(&CaptureBeginType) < 0 || PyType_Ready(&CaptureEndType) < 0) return NULL;
     s_process = PyUnicode_InternFromString("_process");
     s_world = PyUnicode_InternFromString("world");
     s_scope = PyUnicode_InternFromString("scope");
@@ -488,6 +636,11 @@ PyInit__capture(void)
     if (m == NULL) return NULL;
     if (PyModule_AddObject(m, "CaptureBegin", Py_NewRef((PyObject *)&CaptureBeginType)) < 0) {
         Py_DECREF((PyObject *)&CaptureBeginType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    if (PyModule_AddObject(m, "CaptureEnd", Py_NewRef((PyObject *)&CaptureEndType)) < 0) {
+        Py_DECREF((PyObject *)&CaptureEndType);
         Py_DECREF(m);
         return NULL;
     }

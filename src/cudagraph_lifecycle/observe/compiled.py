@@ -1,9 +1,9 @@
-"""The compiled capture path: which capture_begin wrapper this process installs, and how the compiled one is
-built around the Python one.
+"""The compiled capture path: which capture_begin and capture_end wrappers this process installs, and how the
+compiled ones are built around the Python ones.
 
-``_capture`` (an optional C extension, built at install where a compiler is found) runs the wrapper's common
-path; every call off it goes to the Python wrapper (:func:`.wrappers.capture_begin`), so both give the ledger
-the same entries. ``CUDAGRAPH_CAPTURE_PATH`` chooses: ``auto`` (the default) takes the compiled path where it
+``_capture`` (an optional C extension, built at install where a compiler is found) runs the wrappers' common
+paths; every call off them goes to the Python code (:func:`.wrappers.capture_begin`, ``Hooks.ended``), so
+both give the ledger the same entries. ``CUDAGRAPH_CAPTURE_PATH`` chooses: ``auto`` (the default) takes the compiled path where it
 was built, ``python`` never does, ``compiled`` is an error where it was not built (a benchmark or a CI job
 that must measure it).
 """
@@ -65,5 +65,14 @@ def capture_begin(api: GraphAPI, hooks: Hooks, original, python) -> Any:
         entry_cls=GraphEntry, gone=hooks._gone, tag=TAG, worlds=hooks.worlds, saw=hooks.saw,
         untagged=hooks.untagged, register=hooks.register, drain=hooks.drain,
         begin_failed=functools.partial(begin_failed, hooks, api.capture_device), depth=CAPTURE_STACK_DEPTH)
+    functools.update_wrapper(w, original)
+    return w
+
+
+def capture_end(hooks: Hooks, original) -> Any:
+    """The compiled wrapper of ``original`` (a graph class's capture_end): what :func:`.wrappers.capture_end`
+    does, its common path (the graph's own entry, its pool known since capture_begin) compiled."""
+    w = _capture.CaptureEnd(original=original, capture_failed=hooks.capture_failed, ended=hooks.ended,
+                            entry_cls=GraphEntry, tag=TAG, ledger=hooks.ledger)
     functools.update_wrapper(w, original)
     return w

@@ -122,6 +122,15 @@ class Hooks:
         except Exception:
             pass
 
+    def ended(self, graph: Any) -> None:
+        """capture_end returned: the graph holds its pool's references until reset (a capture without a pool
+        argument learns its pool only now)."""
+        g = self.entry_of(graph)
+        if g is not None:
+            if g.pool_id is None:
+                self.ledger.capture_bound(g, tuple(graph.pool()))
+            g.captured = True
+
     def register(self, g: GraphEntry, old: GraphEntry | None) -> None:
         """Count a capture the capture path only queued (applied at the ledger's next operation, under its lock,
         before the graph's destruction if that came later: the weak reference's event drains the queue first)."""
@@ -301,8 +310,6 @@ class DirectCapture:
 
 
 def capture_end(api: GraphAPI, hooks: Hooks, original):
-    led = hooks.ledger
-
     @functools.wraps(original)
     def wrapper(graph, *args, **kwargs):
         try:
@@ -310,13 +317,7 @@ def capture_end(api: GraphAPI, hooks: Hooks, original):
         except Exception as e:
             hooks.capture_failed(graph, e)
             raise
-        g = getattr(graph, TAG, None)
-        if type(g) is not GraphEntry:
-            g = hooks.entry_of(graph)
-        if g is not None and g.generation == led.generation:
-            if g.pool_id is None:
-                led.capture_bound(g, tuple(graph.pool()))
-            g.captured = True
+        hooks.ended(graph)
 
     return wrapper
 
