@@ -16,7 +16,7 @@ import tempfile
 
 import pytest
 
-from cudagraph_lifecycle.choices import checked_from_env
+from cudagraph_lifecycle.choices import capture_path_from_env, checked_from_env
 
 from . import report as reporting
 from . import settings, terminal
@@ -112,8 +112,9 @@ def pytest_configure(config: pytest.Config) -> None:
         "scope of the reused worker that holds them (function, module or session), a per-test sanitizer mode, and "
         "MPI ranks",
     )
-    try:  # read by the runners in workers: a bad value stops the session here, not a test there
+    try:  # read by the runners and sanitizers in workers: a bad value stops the session here, not a test there
         checked_from_env(os.environ)
+        capture_path_from_env(os.environ)
     except ValueError as e:
         raise pytest.UsageError(str(e)) from None
     problem = forked_incompatibility(pytest.__version__, bool(getattr(config.option, "forked", False)))

@@ -239,7 +239,7 @@ def _convert(o: Option, raw: Any, source: str, ini: IniFile = PYTEST_INI) -> Any
 # the variables the library reads (the program-wide sanitizer, checked mode) and those the plugin sets for its
 # own workers: with the options' variables, every CUDAGRAPH_* name that means something
 LIBRARY_VARIABLES = ("CUDAGRAPH_SANITIZE", "CUDAGRAPH_SANITIZE_BACKEND", "CUDAGRAPH_EXPANDABLE_TEARDOWN",
-                     "CUDAGRAPH_CHECKED")
+                     "CUDAGRAPH_CHECKED", "CUDAGRAPH_CAPTURE_PATH")
 INTERNAL_VARIABLES = ("CUDAGRAPH_HAZARD_FILE", "CUDAGRAPH_IN_WORKER", "CUDAGRAPH_WORKER_TAG",
                       "CUDAGRAPH_CONFORMANCE_BACKEND")  # (the last: this project's conformance tests')
 

@@ -46,6 +46,8 @@ OPTIONS = [
     ("require-gpu env", [], {"CUDAGRAPH_REQUIRE_GPU": "maybe"}, "", "CUDAGRAPH_REQUIRE_GPU='maybe' is not a boolean"),
     ("checked env", [], {"CUDAGRAPH_CHECKED": "maybe"}, "",
      "CUDAGRAPH_CHECKED='maybe' is not a boolean: set it to 1 (checked mode for every runner that does not choose)"),
+    ("capture path env", [], {"CUDAGRAPH_CAPTURE_PATH": "fast"}, "",
+     "CUDAGRAPH_CAPTURE_PATH='fast' is not one of auto, compiled, python: set it to 'python' to observe captures"),
     ("report folder cli", ["--cudagraph-report=/nonexistent/dir/r.json"], {}, "",
      "--cudagraph-report=/nonexistent/dir/r.json: the folder /nonexistent/dir does not exist; create it (mkdir -p"),
     ("report folder env", [], {"CUDAGRAPH_REPORT": "/nonexistent/dir/r.json"}, "",
