@@ -219,6 +219,28 @@ def test_what_torch_keeps_in_closures_is_named_by_what_the_user_holds():
         san.stop()
 
 
+@pytest.mark.usefixtures("heap")
+def test_a_graphed_module_only_its_own_reference_cycle_keeps_is_named_as_that_cycle():
+    # the module holds torch's new_fwd as its forward, and new_fwd's closure holds the module: dropped by the
+    # engine, both live until the next garbage collection (seen on the GPU: release_incomplete of a
+    # make_graphed_callables engine)
+    from cudagraph_lifecycle.sanitizer.pins import graph_holder
+
+    g = SimBackend().new_graph()
+    enabled = gc.isenabled()
+    gc.disable()  # a collection would free the cycle before it is named
+    try:
+        _torch_style_graphed()(torch.nn.Linear(1, 1), (), g)
+        named = graph_holder([weakref.ref(g)])
+    finally:
+        if enabled:
+            gc.enable()
+    assert named.endswith("held as attribute `forward` of a Linear object (nothing but a reference cycle: a closure "
+                          "variable of make_graphed_callables.<locals>.make_graphed_forward.<locals>.new_fwd "
+                          f"({torch.cuda.graphs.__file__}), the function it holds as attribute `forward`; no other "
+                          "Python object holds either, so the next garbage collection (gc.collect()) frees both)"), named
+
+
 class _Lone:
     pass
 

@@ -310,8 +310,23 @@ def _holder(obj: Any, ignore: set[int], depth: int = 3) -> str | None:
             return found
     if library and unnamed is None:
         owner = _cell_owner(library[0])
-        return None if owner is None else f"a closure variable of {owner.__qualname__} ({owner.__code__.co_filename})"
+        if owner is None:
+            return None
+        back = _attribute_holding(obj, owner)
+        if back is not None:  # (a module whose forward torch replaced with a closure that refers to the module)
+            return (f"nothing but a reference cycle: a closure variable of {owner.__qualname__} "
+                    f"({owner.__code__.co_filename}), the function it holds as attribute `{back}`; no other Python "
+                    "object holds either, so the next garbage collection (gc.collect()) frees both")
+        return f"a closure variable of {owner.__qualname__} ({owner.__code__.co_filename})"
     return unnamed
+
+
+def _attribute_holding(obj: Any, fn: types.FunctionType) -> str | None:
+    """The attribute of ``obj`` that holds ``fn`` (itself, or a method bound to it), or None."""
+    attrs = getattr(obj, "__dict__", None)
+    if not isinstance(attrs, dict):
+        return None
+    return next((k for k, v in attrs.items() if v is fn or getattr(v, "__func__", None) is fn), None)
 
 
 def _cell_owner(cell: types.CellType) -> types.FunctionType | None:
