@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The whole GPU check in one call (device tool): conformance on cuda, GPU tests, the peer-style engine
 # matrix, the soak, the examples' lifecycle suite on both worker paths (fork and spawn), with -n 2 and on MPI
-# ranks, the benchmarks (runner, wrapper cost, sanitizer memory, worker, MPI; plugin import beside them) and
-# a probe of the capture path in Python and compiled (scripts/probe_capture_path.py --compiled).
+# ranks, the benchmarks (runner, with the sanitizer's capture path compiled and in Python side by side; wrapper
+# cost, sanitizer memory, worker, MPI; plugin import beside them).
 #   run: bash scripts/gpu_check.sh      (writes to $OUT, or ./gpu-out when OUT is unset)
 # Every step runs under one deadline (GPU_CHECK_SECONDS, default 560) so the results archive is always
 # written inside the device tool's 10-minute limit; a step that no time is left for is listed as skipped.
@@ -93,11 +93,6 @@ step "examples, fork path (pytest process without CUDA)" $PT examples/ --cudagra
 step "bench runner" python3 bench/bench_runner.py --backend cuda --json "$R/bench-runner.json"
 step "bench wrapper cost (each observed call, timed from outside)" python3 bench/bench_wrapper_cost.py --backend cuda \
   --rounds 25 --segment-rounds 60 --json "$R/bench-wrapper-cost.json"
-# the torch.cuda.graph capture path's work in Python and compiled, side by side (issue 21's open figure); held
-# to 90 s so the steps after it keep their time
-step "probe: the capture path in Python and compiled" timeout 90 python3 scripts/probe_capture_path.py \
-  --backend cuda --rounds 120 --compiled --sides sanitizer,weak_reference_alone,lean,py_minimal,compiled \
-  --json "$R/probe-capture-path.json"
 step "bench sanitizer memory (10,000 captures a round)" python3 bench/bench_sanitizer_memory.py --backend cuda \
   --json "$R/bench-sanitizer-memory.json"
 step "examples, spawn path (pytest process initialized CUDA)" env CUDAGRAPH_EXAMPLES_INIT_CUDA=1 \
