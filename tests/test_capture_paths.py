@@ -84,3 +84,17 @@ def test_the_chosen_path_is_the_one_installed_and_unwraps_to_the_original(path, 
     env.pop("CUDAGRAPH_SANITIZE", None)
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert done.stdout.split() == [kind, "True", "capture_begin", path, end, "True"], done.stdout + done.stderr
+
+
+def test_an_install_without_the_extension_runs_python_or_says_why_compiled_cannot(monkeypatch):
+    from cudagraph_lifecycle.observe import compiled
+
+    monkeypatch.setattr(compiled, "_capture", None)
+    monkeypatch.setattr(compiled, "_missing", "ImportError: no module named _capture")
+    monkeypatch.delenv("CUDAGRAPH_CAPTURE_PATH", raising=False)
+    assert compiled.path() == "python"
+    assert compiled.describe() == "python (the compiled path was not built: ImportError: no module named _capture)"
+    monkeypatch.setenv("CUDAGRAPH_CAPTURE_PATH", "compiled")
+    with pytest.raises(ConfigError, match=r"CUDAGRAPH_CAPTURE_PATH=compiled, but the compiled capture path was not "
+                                          r"built \(ImportError: no module named _capture\): reinstall with a C compiler"):
+        compiled.path()
