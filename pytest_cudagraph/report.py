@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from importlib import metadata
 from typing import Any
@@ -142,6 +143,13 @@ def _version(dist: str) -> str | None:
         return None
 
 
+def _capture_path() -> str | None:
+    """How this process observes captures (compiled, or Python and why); None where the library was never
+    used here (read only then: its import brings torch's)."""
+    compiled = sys.modules.get("cudagraph_lifecycle.observe.compiled")
+    return None if compiled is None else compiled.describe()
+
+
 def write(path: str, s: dict, state: dict, exitstatus: int) -> None:
     report = {
         "meta": {
@@ -153,6 +161,7 @@ def write(path: str, s: dict, state: dict, exitstatus: int) -> None:
             "start_method": s.get("start_method_effective"),
             "sanitize": s["sanitize"],
             "program_sanitize": program_sanitizer_mode(),  # CUDAGRAPH_SANITIZE's sanitizer, where installed
+            "capture_path": _capture_path(),
             # what the workers do: strict refuses whatever was set (set: as the user set it)
             "expandable_teardown": "refuse" if s["sanitize"] == "strict" else s["expandable_teardown"],
             "expandable_teardown_set": s["expandable_teardown"],

@@ -88,6 +88,9 @@ def test_engine_sequence_summary_and_report(pytester):
     (t,) = data["tests"]
     assert t["outcome"] == "passed" and len(t["cycles"]) == 3 and t["lifecycle_failure"] is False
     assert len({c["pid"] for c in t["cycles"]}) == 1 and data["meta"]["effective_backend"] == "sim"
+    from cudagraph_lifecycle.observe import compiled
+
+    assert data["meta"]["capture_path"] == compiled.describe()  # the sanitizer's path: compiled where built
     from importlib import metadata
 
     meta = data["meta"]  # what ran the engines, and which plugin
