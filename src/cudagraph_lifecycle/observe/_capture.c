@@ -188,15 +188,23 @@ fail:
 static void
 tell_failure(PyObject *hook, PyObject *graph, PyObject *be, PyObject *pool)
 {
+#if PY_VERSION_HEX >= 0x030C0000
+    PyObject *value = PyErr_GetRaisedException();
+#else
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
     PyErr_NormalizeException(&type, &value, &tb);
     if (tb != NULL) PyException_SetTraceback(value, tb);
+#endif
     PyObject *r = be == NULL ? PyObject_CallFunctionObjArgs(hook, graph, value, NULL)
                              : PyObject_CallFunctionObjArgs(hook, graph, be, pool, value, NULL);
     Py_XDECREF(r);
     PyErr_Clear();
+#if PY_VERSION_HEX >= 0x030C0000
+    PyErr_SetRaisedException(value);
+#else
     PyErr_Restore(type, value, tb);
+#endif
 }
 
 static PyObject *
