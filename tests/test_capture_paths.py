@@ -96,5 +96,6 @@ def test_an_install_without_the_extension_runs_python_or_says_why_compiled_canno
     assert compiled.describe() == "python (the compiled path was not built: ImportError: no module named _capture)"
     monkeypatch.setenv("CUDAGRAPH_CAPTURE_PATH", "compiled")
     with pytest.raises(ConfigError, match=r"CUDAGRAPH_CAPTURE_PATH=compiled, but the compiled capture path was not "
-                                          r"built \(ImportError: no module named _capture\): reinstall with a C compiler"):
+                                          r"built \(ImportError: no module named _capture\): reinstall where a C compiler and "
+                                          r"Python's headers are present \(from a clone: pip install --no-deps -e \.\)"):
         compiled.path()

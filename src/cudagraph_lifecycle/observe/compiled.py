@@ -11,6 +11,7 @@ that must measure it).
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 from typing import Any
 
@@ -22,9 +23,10 @@ from .wrappers import TAG, Hooks, begin_failed
 
 try:
     from . import _capture
-except ImportError as e:  # not built (no compiler at install): the Python path, and why
+except ImportError as e:  # not built (no compiler at install), or built for another Python: the Python path, and why
     _capture = None
-    _missing = f"{type(e).__name__}: {e}"
+    _missing = ("no _capture extension was built at install" if importlib.util.find_spec(f"{__package__}._capture") is None
+                else f"{type(e).__name__}: {e}")
 else:
     _missing = ""
 
@@ -37,8 +39,8 @@ def path() -> str:
     if _capture is None:
         if chosen == "compiled":
             raise ConfigError("CUDAGRAPH_CAPTURE_PATH=compiled, but the compiled capture path was not built "
-                              f"({_missing}): reinstall with a C compiler and Python's headers present "
-                              "(pip install --force-reinstall --no-deps .), or unset the variable")
+                              f"({_missing}): reinstall where a C compiler and Python's headers are present "
+                              "(from a clone: pip install --no-deps -e .), or unset the variable")
         return "python"
     return "compiled"
 
