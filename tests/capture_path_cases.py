@@ -74,8 +74,11 @@ def scenarios() -> tuple[dict, dict]:
             ledger.drain()
         out["pools"] = sorted([world_name(k[0]), k[1], list(k[2]), e.held, e.captures, e.dead]
                               for k, e in ledger.pools.items())
-        return out, {f"{method}.{name}": getattr(getattr(SimGraph, method), name, None)
-                     for method in ("capture_begin", "capture_end") for name in ("compiled_calls", "python_calls")}
+        out["flushes"] = sorted([world_name(w), n] for w, n in ledger.flushes.items())
+        methods = [(SimGraph, "capture_begin"), (SimGraph, "capture_end"), (SimBackend, "empty_cache"),
+                   (SimBackend, "host_empty_cache")]
+        return out, {f"{name}.{count}": getattr(getattr(owner, name), count, None)
+                     for owner, name in methods for count in ("compiled_calls", "python_calls")}
     finally:
         observe.release()
 
@@ -98,7 +101,14 @@ def _scenarios(out: dict, be) -> dict[str, str]:
         g.reset()
         out["the same graph again"] = step(be, g, be.graph_pool_handle())
         out["no attribute"] = step(be, new_graph(be, Slotted), h)
-        with be.graph(new_graph(be)):  # torch.cuda.graph's way: flushes, its own stream, the pool positional
+        for _ in range(3):  # torch.cuda.graph's way: two flushes, its own stream, the pool positional
+            with be.graph(new_graph(be)):
+                kept.append(be.randn(4) * 3)
+        g = new_graph(be)
+        with be.graph(g, pool=be.graph_pool_handle()):
+            kept.append(be.randn(4))
+        g.reset()  # a released pool now waits for a flush: the next ones are recorded
+        with be.graph(new_graph(be)):
             kept.append(be.randn(4) * 3)
         dead = be.graph_pool_handle()
         g = new_graph(be)

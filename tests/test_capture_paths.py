@@ -35,6 +35,10 @@ def test_both_capture_paths_give_the_ledger_the_same_entries():
     counts = compiled["counts"]
     assert counts["capture_begin.compiled_calls"] >= 300 and counts["capture_begin.python_calls"] >= 6, counts
     assert counts["capture_end.compiled_calls"] >= 150 and counts["capture_end.python_calls"] >= 150, counts
+    # torch.cuda.graph's flushes: straight through while nothing waits for one, else recorded in Python
+    for flush in ("empty_cache", "host_empty_cache"):
+        assert counts[f"{flush}.compiled_calls"] >= 1 and counts[f"{flush}.python_calls"] >= 1, counts
+    assert compiled["outcomes"]["flushes"], compiled["outcomes"]
     assert set(python["counts"].values()) == {None}
     assert len(compiled["entries"]) > 300 and compiled["stale"] and compiled["default_stream"]
     assert compiled["failed_captures"] and compiled["outcomes"]["pools"]

@@ -63,7 +63,8 @@ def _install() -> None:
         for hook, host in ((api.device_flush, False), (api.host_flush, True)):
             if hook is not None:
                 owner, name, parse = hook
-                _patch(owner, name, lambda f, p=parse, h=host: wrappers.flush(p, hooks, f, h))
+                _patch(owner, name, lambda f, p=parse, h=host: wrappers.flush(p, hooks, f, h) if path == "python"
+                       else compiled.flush(p, hooks, f, h))
         for owner, name, parse in api.pool_refs:
             _patch(owner, name, lambda f, p=parse: wrappers.pool_reference(p, hooks, f))
 

@@ -1,4 +1,4 @@
-/* The capture_begin and capture_end wrappers' common paths, compiled (observe/compiled.py builds it; wrappers.py has the
+/* The capture_begin and capture_end wrappers' common paths, and the cache flushes' gate, compiled (observe/compiled.py builds it; wrappers.py has the
  * whole wrapper in Python, which this one calls for everything off the common path).
  *
  * Why C: the wrapper runs right after a model's warm-up has evicted the host's caches, where each Python
@@ -10,7 +10,9 @@
  * exactly as wrappers.recorder's record does. Anything else goes to the Python wrapper before the original is
  * called, so both paths give the ledger the same entries (tests/test_capture_paths.py compares them).
  * capture_end's common path (the graph's own entry, its pool known) marks the entry captured; the rest is
- * Hooks.ended and Hooks.capture_failed, as in the Python wrapper. */
+ * Hooks.ended and Hooks.capture_failed, as in the Python wrapper. A flush passes straight to the original
+ * while its gate is disarmed (nothing waits for a flush: torch.cuda.graph flushes twice before each capture),
+ * else to the Python wrapper, which disarms the gate when it finds nothing to record. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <frameobject.h>
@@ -620,6 +622,112 @@ static PyTypeObject CaptureEndType = {
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL | Py_TPFLAGS_METHOD_DESCRIPTOR | Py_TPFLAGS_HAVE_GC,
 };
 
+/* a cache flush --------------------------------------------------------------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *dict;
+    PyObject *original, *slow;  /* slow: wrappers.flush's Python wrapper, which shares this gate */
+    char armed;
+    Py_ssize_t compiled_calls, python_calls;
+} FlushGate;
+
+static PyObject *
+flush_gate_call(PyObject *self_, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    FlushGate *self = (FlushGate *)self_;
+    if (!self->armed || self->slow == NULL || self->slow == Py_None) {  /* nothing waits for a flush */
+        self->compiled_calls++;
+        return PyObject_Vectorcall(self->original, args, nargsf, kwnames);
+    }
+    self->python_calls++;
+    return PyObject_Vectorcall(self->slow, args, nargsf, kwnames);
+}
+
+static PyObject *
+flush_gate_arm(PyObject *self, PyObject *unused)
+{
+    ((FlushGate *)self)->armed = 1;
+    Py_RETURN_NONE;
+}
+
+static int
+flush_gate_traverse(FlushGate *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->dict);
+    Py_VISIT(self->original);
+    Py_VISIT(self->slow);
+    return 0;
+}
+
+static int
+flush_gate_clear(FlushGate *self)
+{
+    Py_CLEAR(self->dict);
+    Py_CLEAR(self->original);
+    Py_CLEAR(self->slow);
+    return 0;
+}
+
+static void
+flush_gate_dealloc(FlushGate *self)
+{
+    PyObject_GC_UnTrack(self);
+    flush_gate_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *
+flush_gate_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    static char *names[] = {"original", NULL};
+    PyObject *original;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O", names, &original)) return NULL;
+    FlushGate *self = (FlushGate *)type->tp_alloc(type, 0);
+    if (self == NULL) return NULL;
+    self->vectorcall = flush_gate_call;
+    self->original = Py_NewRef(original);
+    self->armed = 1;
+    return (PyObject *)self;
+}
+
+static PyMethodDef flush_gate_methods[] = {
+    {"arm", flush_gate_arm, METH_NOARGS, "something may wait for a flush: the next one goes to the slow path"},
+    {NULL},
+};
+
+static PyMemberDef flush_gate_members[] = {
+    {"armed", T_BOOL, offsetof(FlushGate, armed), 0, "a flush may have something to record"},
+    {"slow", T_OBJECT, offsetof(FlushGate, slow), 0, "the Python wrapper an armed flush goes to"},
+    {"compiled_calls", T_PYSSIZET, offsetof(FlushGate, compiled_calls), READONLY,
+     "flushes passed straight to the original"},
+    {"python_calls", T_PYSSIZET, offsetof(FlushGate, python_calls), READONLY, "flushes handed to the slow path"},
+    {"__dictoffset__", T_PYSSIZET, offsetof(FlushGate, dict), READONLY},
+    {NULL},
+};
+
+static PyTypeObject FlushGateType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "cudagraph_lifecycle.observe._capture.FlushGate",
+    .tp_doc = "a cache flush, observed: straight to the original while nothing waits for a flush",
+    .tp_basicsize = sizeof(FlushGate),
+    .tp_dealloc = (destructor)flush_gate_dealloc,
+    .tp_vectorcall_offset = offsetof(FlushGate, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_descr_get = method_get,
+    .tp_dictoffset = offsetof(FlushGate, dict),
+    .tp_getattro = PyObject_GenericGetAttr,
+    .tp_setattro = PyObject_GenericSetAttr,
+    .tp_methods = flush_gate_methods,
+    .tp_members = flush_gate_members,
+    .tp_getset = capture_begin_getset,
+    .tp_traverse = (traverseproc)flush_gate_traverse,
+    .tp_clear = (inquiry)flush_gate_clear,
+    .tp_new = flush_gate_new,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL | Py_TPFLAGS_METHOD_DESCRIPTOR | Py_TPFLAGS_HAVE_GC,
+};
+
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "cudagraph_lifecycle.observe._capture",
     "The capture_begin wrapper's common path, compiled (see observe/compiled.py).", -1, NULL,
@@ -628,7 +736,8 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC
 PyInit__capture(void)
 {
-    if (PyType_Ready(&CaptureBeginType) < 0 || PyType_Ready(&CaptureEndType) < 0) return NULL;
+    if (PyType_Ready(&CaptureBeginType) < 0 || PyType_Ready(&CaptureEndType) < 0 || PyType_Ready(&FlushGateType) < 0)
+        return NULL;
     s_process = PyUnicode_InternFromString("_process");
     s_world = PyUnicode_InternFromString("world");
     s_scope = PyUnicode_InternFromString("scope");
@@ -649,6 +758,11 @@ PyInit__capture(void)
     }
     if (PyModule_AddObject(m, "CaptureEnd", Py_NewRef((PyObject *)&CaptureEndType)) < 0) {
         Py_DECREF((PyObject *)&CaptureEndType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    if (PyModule_AddObject(m, "FlushGate", Py_NewRef((PyObject *)&FlushGateType)) < 0) {
+        Py_DECREF((PyObject *)&FlushGateType);
         Py_DECREF(m);
         return NULL;
     }

@@ -1,5 +1,5 @@
-"""The compiled capture path: which capture_begin and capture_end wrappers this process installs, and how the
-compiled ones are built around the Python ones.
+"""The compiled capture path: which capture_begin, capture_end and cache-flush wrappers this process installs,
+and how the compiled ones are built around the Python ones.
 
 ``_capture`` (an optional C extension, built at install where a compiler is found) runs the wrappers' common
 paths; every call off them goes to the Python code (:func:`.wrappers.capture_begin`, ``Hooks.ended``), so
@@ -19,6 +19,7 @@ from ..backends.base import GraphAPI
 from ..choices import capture_path_from_env
 from ..errors import ConfigError
 from ..ledger import CAPTURE_STACK_DEPTH, GraphEntry
+from . import wrappers
 from .wrappers import TAG, Hooks, begin_failed
 
 try:
@@ -78,3 +79,12 @@ def capture_end(hooks: Hooks, original) -> Any:
                             entry_cls=GraphEntry, tag=TAG, ledger=hooks.ledger)
     functools.update_wrapper(w, original)
     return w
+
+
+def flush(parse, hooks: Hooks, original, host: bool) -> Any:
+    """A cache flush's compiled gate: straight to ``original`` while disarmed (the common case: nothing waits
+    for a flush), else to :func:`.wrappers.flush`'s Python wrapper, which shares the gate."""
+    gate = _capture.FlushGate(original=original)
+    gate.slow = wrappers.flush(parse, hooks, original, host, gate)
+    functools.update_wrapper(gate, original)
+    return gate

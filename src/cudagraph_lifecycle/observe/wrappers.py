@@ -388,32 +388,40 @@ def mempool_init(api: GraphAPI, hooks: Hooks, original):
     return wrapper
 
 
-def flush(parse, hooks: Hooks, original, host: bool):
+class FlushGate:
+    """``armed``: a flush may have something to record. The ledger arms every gate (``arm``) whenever
+    something comes to wait for a flush; a flush that finds nothing disarms its own. The compiled path's gate
+    (``_capture.FlushGate``) is the installed flush itself, passing straight to the original while disarmed."""
+
+    __slots__ = ("armed",)
+
+    def __init__(self) -> None:
+        self.armed = True
+
+    def arm(self) -> None:
+        self.armed = True
+
+
+def flush(parse, hooks: Hooks, original, host: bool, gate: Any = None):
     """A cache flush: afterwards the pools that allocator erased may be created afresh under their ids."""
     led = hooks.ledger
     readers: dict = {}  # world -> how to read its books later: one per world, not one per flush
     # torch.cuda.graph flushes both caches before every capture: most flushes find nothing to record (no
-    # released pool waits for one, no event is queued) and pass straight through, reading one closure cell:
-    # the ledger's books are not touched (after a capture each object touched costs the H200's host ~1 us)
+    # released pool waits for one, no event is queued) and pass straight through, reading one flag: the
+    # ledger's books are not touched (after a capture each object touched costs the H200's host ~1 us)
     unflushed, host_dead, pending_keys, peak = led.unflushed, led.host_dead, led.pending_keys, led.peak_bytes
-    armed = True  # something may be waiting for a flush; the ledger arms it again when something is
-
-    def arm() -> None:
-        nonlocal armed
-        armed = True
-
-    led.flush_watchers.append(arm)
+    gate = FlushGate() if gate is None else gate
+    led.flush_watchers.append(gate.arm)
 
     @functools.wraps(original)
     def wrapper(*args, **kwargs):
-        nonlocal armed
-        if not armed:
+        if not gate.armed:
             return original(*args, **kwargs)
         if not (pending_keys or (host_dead if host else unflushed or peak)):
-            armed = False  # then read again: what arms it may have come in between
+            gate.armed = False  # then read again: what arms it may have come in between
             if not (pending_keys or (host_dead if host else unflushed or peak)):
                 return original(*args, **kwargs)
-            armed = True
+            gate.armed = True
         be = parse(args, kwargs)
         if be is not None and not host and led.peak_bytes:  # a budget's test: read its pools before they go
             led.before_flush(be.world, be.pool_bytes_reader())
