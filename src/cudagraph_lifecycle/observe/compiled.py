@@ -2,10 +2,10 @@
 and how the compiled ones are built around the Python ones.
 
 ``_capture`` (an optional C extension, built at install where a compiler is found) runs the wrappers' common
-paths; every call off them goes to the Python code (:func:`.wrappers.capture_begin`, ``Hooks.ended``), so
-both give the ledger the same entries. ``CUDAGRAPH_CAPTURE_PATH`` chooses: ``auto`` (the default) takes the compiled path where it
-was built, ``python`` never does, ``compiled`` is an error where it was not built (a benchmark or a CI job
-that must measure it).
+paths; every call off them goes to the Python code (:func:`.wrappers.capture_begin`, ``Hooks.ended``,
+:func:`.wrappers.flush`), so both give the ledger the same entries. ``CUDAGRAPH_CAPTURE_PATH`` chooses:
+``auto`` (the default) takes the compiled path where it was built, ``python`` never does, ``compiled`` is an
+error where it was not built (a benchmark or a CI job that must measure it).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ try:
     from . import _capture
 except ImportError as e:  # not built (no compiler at install), or built for another Python: the Python path, and why
     _capture = None
-    _missing = ("no _capture extension was built at install" if importlib.util.find_spec(f"{__package__}._capture") is None
-                else f"{type(e).__name__}: {e}")
+    _missing = ("no _capture extension was built at install"
+                if importlib.util.find_spec(f"{__package__}._capture") is None else f"{type(e).__name__}: {e}")
 else:
     _missing = ""
 
