@@ -10,6 +10,7 @@ import weakref
 from cudagraph_lifecycle import PoolSanitizer, observe
 from cudagraph_lifecycle.backends.sim import SimBackend, SimGraph
 from cudagraph_lifecycle.ledger import GraphEntry, _line_of, ledger
+from cudagraph_lifecycle.observe import hooks
 
 worlds: dict = {}
 kept: list = []  # every graph made, so every entry can be read at the end
@@ -177,11 +178,7 @@ def main() -> None:
         ledger.drain()
     seen = {id(g) for g in entries}
     for graph in kept:
-        g = getattr(graph, "_cudagraph_ledger_entry", None)
-        if isinstance(graph, Slotted):
-            from cudagraph_lifecycle.observe import hooks
-
-            g = hooks.entry_of(graph)
+        g = hooks.entry_of(graph)  # (tagged on the graph, or kept beside one that takes no attribute)
         if g is not None and id(g) not in seen:
             seen.add(id(g))
             entries.append(g)
