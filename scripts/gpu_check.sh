@@ -76,6 +76,9 @@ PT="python3 -m pytest -p cudagraph -p no:cacheprovider --cudagraph-require-gpu"
 
 beside "bench plugin import (CUDA build of torch)" python3 bench/bench_plugin_import.py --rounds 10 \
   --json "$R/bench-plugin-import.json"
+# the C capture path on this machine's Python (3.12 there, 3.11 in CI): both paths equal, no leak (on sim)
+beside "capture paths equal (compiled vs Python, on sim)" python3 -m pytest -p cudagraph -p no:cacheprovider -q \
+  tests/test_capture_paths.py
 step "conformance on cuda" python3 -m cudagraph_lifecycle.conformance --backend cuda --jobs 8 \
   --json "$R/conformance-cuda.json"
 step "GPU tests" $PT -q -rP tests/test_gpu.py
