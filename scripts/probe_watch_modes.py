@@ -1,0 +1,172 @@
+"""Why checked mode's capture watch is a dispatch mode: what an empty ``TorchDispatchMode`` and an empty
+``TorchFunctionMode`` cost a layer, beside the watch itself, and which reads each of them sees.
+
+    python scripts/probe_watch_modes.py [--device cuda|cpu] [--rounds N] [--json PATH]
+
+On CUDA the forward is captured (``torch.cuda.graph``, one pool) and the figure is capture time a layer; on
+the CPU it is eager time a layer. Coverage: a weight read only inside ``backward()``, only inside a TorchScript
+module, and by a ``torch.ops`` call: does the mode see a tensor of that storage among an op's arguments?
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+
+from cudagraph_lifecycle.checks.capture_watch import CaptureWatch  # noqa: E402
+
+
+class EmptyDispatch(TorchDispatchMode):
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:  # as the watch does
+        return False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+class EmptyFunction(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def _storages(items, out):
+    for t in items:
+        if isinstance(t, torch.Tensor):
+            out.add(t.untyped_storage()._cdata)
+        elif isinstance(t, (list, tuple)):
+            _storages(t, out)
+
+
+class SeenDispatch(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.seen: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        _storages(args, self.seen)
+        _storages((kwargs or {}).values(), self.seen)
+        return func(*args, **(kwargs or {}))
+
+
+class SeenFunction(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.seen: set[int] = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        _storages(args, self.seen)
+        _storages((kwargs or {}).values(), self.seen)
+        return func(*args, **(kwargs or {}))
+
+
+def timing(device: str, layers: int, rounds: int) -> dict:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(layers)]).to(device)
+    x = torch.randn(8, 64, device=device)
+    modes = {"plain": None, "empty dispatch mode": EmptyDispatch, "empty function mode": EmptyFunction,
+             "capture watch": lambda: CaptureWatch(None)}
+    cuda = device == "cuda"
+    if cuda:
+        stream, pool = torch.cuda.Stream(), torch.cuda.graph_pool_handle()
+        with torch.no_grad(), torch.cuda.stream(stream):
+            model(x)  # warm-up on the capture stream
+        torch.cuda.synchronize()
+
+    def once(make) -> float:
+        mode = make() if make else None
+        with torch.no_grad():
+            if cuda:
+                g = torch.cuda.CUDAGraph()
+                t0 = time.perf_counter()
+                with torch.cuda.graph(g, pool=pool, stream=stream):
+                    if mode is None:
+                        model(x)
+                    else:
+                        with mode:
+                            model(x)
+                dt = time.perf_counter() - t0
+                del g
+            else:
+                t0 = time.perf_counter()
+                if mode is None:
+                    model(x)
+                else:
+                    with mode:
+                        model(x)
+                dt = time.perf_counter() - t0
+        return dt / layers * 1e6
+
+    times: dict[str, list[float]] = {k: [] for k in modes}
+    for make in modes.values():  # first calls (lazy inits) left out
+        once(make)
+    for _ in range(rounds):  # interleaved: a drift of the host reaches every side
+        for name, make in modes.items():
+            times[name].append(once(make))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"us_per_layer": med, "ratio_to_plain": {k: v / med["plain"] for k, v in med.items()}}
+
+
+def coverage(device: str) -> dict:
+    w = torch.randn(16, 16, device=device, requires_grad=True)
+    x = torch.randn(4, 16, device=device, requires_grad=True)
+    g = torch.zeros(16, 16, device=device)
+    gkey = g.untyped_storage()._cdata
+
+    class Scripted(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("table", torch.randn(16, 16, device=device))
+
+        def forward(self, x):
+            return x @ self.table
+
+    scripted = torch.jit.script(Scripted())
+    skey = scripted.table.untyped_storage()._cdata
+    out = {}
+    for name, make in (("dispatch", SeenDispatch), ("function", SeenFunction)):
+        w.grad = torch.zeros_like(w)  # a gradient buffer made before: backward accumulates into it
+        loss = (x @ w).sum()
+        mode = make()
+        with mode:
+            loss.backward()
+        seen_grad = w.grad.untyped_storage()._cdata in mode.seen
+        mode2 = make()
+        with mode2, torch.no_grad():
+            torch.ops.aten.add_(g, 1.0)  # an in-place torch.ops call on a buffer made outside
+            scripted(x.detach())
+        out[name] = {"weight's gradient buffer, inside backward()": seen_grad,
+                     "buffer of a torch.ops call": gkey in mode2.seen,
+                     "TorchScript module's buffer": skey in mode2.seen}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    res = {"device": a.device, "torch": torch.__version__, "layers": a.layers, "rounds": a.rounds,
+           "timing": timing(a.device, a.layers, a.rounds), "sees": coverage(a.device)}
+    if a.device == "cuda":
+        res["gpu"] = torch.cuda.get_device_name(0)
+    print(json.dumps(res, indent=1))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
