@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import operator
 import os
+import pickle
 import shutil
 import socket
 import sys
 from typing import Any
 
+from . import by_value
 from .worker import (
     ReusedWorker,
     WorkerError,
@@ -60,23 +62,22 @@ def _on_rank(payload: bytes) -> bytes:
 
     if not faulthandler.is_enabled():
         faulthandler.enable()  # a fatal signal on a rank names its Python frames in the crash report
-    import cloudpickle
 
     comm = MPI.COMM_WORLD
     comm.Barrier()  # every rank takes exactly one task of the batch
     rank = comm.Get_rank()
     seq = ledger_seq()
     try:
-        fn, args, kwargs, test = cloudpickle.loads(payload)
+        fn, args, kwargs, test = pickle.loads(payload)
         attribute_to(test)
         freeze_startup_heap()  # as in a reused worker: once, before the first user code on this rank
         value = fn(*args, **kwargs)
-        return cloudpickle.dumps((rank, os.getpid(), "ok", value, poisoned_since(seq)))
+        return by_value.dumps((rank, os.getpid(), "ok", value, poisoned_since(seq)))
     except BaseException as e:
         from cudagraph_lifecycle.ledger import shown_traceback
 
-        return cloudpickle.dumps((rank, os.getpid(), "err", (type(e).__qualname__, str(e), shown_traceback(e)),
-                                  poisoned_since(seq)))
+        return by_value.dumps((rank, os.getpid(), "err", (type(e).__qualname__, str(e), shown_traceback(e)),
+                               poisoned_since(seq)))
 
 
 def rank_dead(host: str, pid: int, here: str | None = None) -> bool:
@@ -103,13 +104,11 @@ def rank_dead(host: str, pid: int, here: str | None = None) -> bool:
 def _run_batch(ranks: int, payload: bytes) -> list[tuple]:
     from concurrent.futures import wait
 
-    import cloudpickle
-
     futs = [_executor.submit(_on_rank, payload) for _ in range(ranks)]
     while True:
         _, pending = wait(futs, timeout=0.5)
         if not pending:
-            return sorted((cloudpickle.loads(f.result()) for f in futs), key=lambda r: r[0])
+            return sorted((pickle.loads(f.result()) for f in futs), key=lambda r: r[0])
         here = socket.gethostname()
         dead = [(r, host, pid) for r, (host, pid) in _rank_procs.items() if rank_dead(host, pid, here)]
         if dead:
@@ -124,7 +123,6 @@ def _run_batch(ranks: int, payload: bytes) -> list[tuple]:
 def _call_all(ranks: int, payload: bytes, path: list[str]) -> list[tuple]:
     """Runs in the controller: the same call on every rank; results sorted by rank."""
     global _executor, _executor_size
-    import cloudpickle
     from mpi4py.futures import MPIPoolExecutor
 
     if _executor is None or _executor_size != ranks:
@@ -133,7 +131,7 @@ def _call_all(ranks: int, payload: bytes, path: list[str]) -> list[tuple]:
         _executor = MPIPoolExecutor(max_workers=ranks, path=path)
         _executor_size = ranks
         _rank_procs.clear()
-        for rank, pid, _, host, _ in _run_batch(ranks, cloudpickle.dumps((socket.gethostname, (), {}, None))):
+        for rank, pid, _, host, _ in _run_batch(ranks, by_value.dumps((socket.gethostname, (), {}, None))):
             _rank_procs[rank] = (host, pid)
     return _run_batch(ranks, payload)
 

@@ -40,23 +40,18 @@ from cudagraph_lifecycle.errors import TORCH_DEFAULT_STREAM_REFUSAL, TORCH_RANDO
 from cudagraph_lifecycle.ledger import is_user_file
 from cudagraph_lifecycle.sizes import size_text
 
-
-def _cloudpickle():
-    """cloudpickle, imported at the first call into a worker: a session that starts none never pays for it."""
-    import cloudpickle
-
-    return cloudpickle
+from . import by_value
 
 
 def dumps(obj: Any) -> bytes:
     """``obj`` pickled for the other side of a worker's pipe: plain pickle (4x faster than cloudpickle on a
-    call) where it pickles everything by reference to something importable, cloudpickle otherwise (closures,
+    call) where it pickles everything by reference to something importable, by value otherwise (closures,
     lambdas, what ``__main__`` defines, which a spawned child does not have). Either loads with pickle.loads."""
     try:
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception:
-        return _cloudpickle().dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    return data if b"__main__" not in data else _cloudpickle().dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        return by_value.dumps(obj)
+    return data if b"__main__" not in data else by_value.dumps(obj)
 
 
 # The pipe carries multiprocessing.Connection's framing (a 4-byte size, or -1 and an 8-byte size), written and

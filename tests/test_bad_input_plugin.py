@@ -5,14 +5,18 @@ or the ini key as the user wrote it; markers, fixture arguments and engines of t
 test with the argument named. Each row: the input, and the words the message must contain.
 """
 
+import importlib.util
 import json
 import os
+import sys
 
 import pytest
 
 # loaded before the in-process runs: pytester unloads what a run imported, and torch's extension cannot be
 # loaded twice in one process
 import torch  # noqa: F401
+
+from pytest_cudagraph.mpi import mpi_unavailable_reason
 
 PLAIN_TEST = "def test_x(cudagraph_backend_name): pass"
 
@@ -205,17 +209,24 @@ def test_an_ini_error_names_the_file_and_the_line_to_write(pytester, name, line,
 
 @pytest.mark.parametrize("args, env, ini, words", [
     (["--cudagraph-worker=mpi"], {}, "",
-     "--cudagraph-worker=mpi: no MPI runtime: mpiexec is not on PATH (e.g. apt-get install openmpi-bin), so every "
-     "engine_sequence test would be skipped. Install mpi4py and an MPI runtime, or choose fork: "
-     "--cudagraph-worker=fork"),
-    ([], {"CUDAGRAPH_WORKER_KIND": "mpi"}, "", "CUDAGRAPH_WORKER_KIND=mpi: no MPI runtime"),
+     "--cudagraph-worker=mpi: {reason}, so every engine_sequence test would be skipped. Install mpi4py and an MPI "
+     "runtime, or choose fork: --cudagraph-worker=fork"),
+    ([], {"CUDAGRAPH_WORKER_KIND": "mpi"}, "", "CUDAGRAPH_WORKER_KIND=mpi: {reason}"),
     ([], {}, "cudagraph_worker = mpi",
      "or choose fork: `cudagraph_worker = fork` in the [pytest] section of tox.ini"),  # (makeini's file)
 ], ids=["cli", "env", "ini"])
-def test_mpi_workers_chosen_without_mpi_stop_the_session(pytester, monkeypatch, args, env, ini, words):
+@pytest.mark.parametrize("mpi4py", ["as installed", "hidden"])
+def test_mpi_workers_chosen_without_mpi_stop_the_session(pytester, monkeypatch, args, env, ini, words, mpi4py):
     """Not a session of skipped engine sequences that a CI gate passes; the default (fork) still runs them."""
-    monkeypatch.setenv("PATH", "/nonexistent")  # no mpiexec (mpi4py may be installed)
+    monkeypatch.setenv("PATH", "/nonexistent")  # no mpiexec
+    without = mpi4py == "hidden" or importlib.util.find_spec("mpi4py") is None
+    if mpi4py == "hidden":
+        monkeypatch.setitem(sys.modules, "mpi4py", None)  # import mpi4py raises, as where it is not installed
+    reason = mpi_unavailable_reason()
+    assert reason and reason.startswith("mpi4py is not installed (pip install mpi4py" if without
+                                        else "no MPI runtime: mpiexec is not on PATH"), reason
     res = _run_with(pytester, monkeypatch, args, env, ini)
+    words = words.format(reason=reason)
     assert res.ret == pytest.ExitCode.USAGE_ERROR and words in res.stderr.str(), res.stderr.str()
     monkeypatch.delenv("CUDAGRAPH_WORKER_KIND", raising=False)
     (pytester.path / "tox.ini").unlink(missing_ok=True)
