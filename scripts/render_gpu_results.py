@@ -98,14 +98,17 @@ def main(folder: str) -> None:
         if chk:
             print(f"| checked mode: step / default step (batch 3 on the batch-4 graph) | {chk['step_ratio']:.2f} "
                   f"({chk['step_us_checked']:.1f} vs {chk['step_us_default']:.1f} µs) | may cost more |")
-            print(f"| checked mode: capture / default capture (4 graphs) | {chk['capture_ratio']:.2f} "
+            rounds = f", median of {chk['rounds']} rounds" if "rounds" in chk else ""
+            print(f"| checked mode: capture / default capture (4 graphs{rounds}) | {chk['capture_ratio']:.2f} "
                   f"({chk['capture_ms_checked']:.1f} vs {chk['capture_ms_default']:.1f} ms) | may cost more |")
             for name in ("capture", "capture_largest", "padding", "outputs"):
                 if f"step_ratio_{name}" in chk:
                     label = "`capture` alone, `watch=\"largest\"`" if name == "capture_largest" else f"`{name}` alone"
+                    rng = chk.get(f"capture_ratio_{name}_range")  # (absent from older results)
+                    spread = f"; rounds {rng[0]:.2f} … {rng[1]:.2f}" if rng else ""
                     print(f"| check {label}: step; capture (/ default) | {chk[f'step_ratio_{name}']:.2f} "
                           f"({chk[f'step_us_{name}']:.1f} µs); {chk[f'capture_ratio_{name}']:.2f} "
-                          f"({chk[f'capture_ms_{name}']:.1f} ms) | |")
+                          f"({chk[f'capture_ms_{name}']:.1f} ms{spread}) | |")
             if "check_addresses_us" in chk:
                 print(f"| `check_addresses()` (4 graphs of 16 layers) | {chk['check_addresses_us']:.0f} µs a call | |")
     wc = load(folder, "bench-wrapper-cost.json")
