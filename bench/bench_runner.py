@@ -272,6 +272,13 @@ def bench_release(be):
             "target_runner_bytes_after_release": 0}
 
 
+def median_ci95(n: int) -> tuple[int, int]:
+    """The ranks (in n sorted values) of the distribution-free 95 % interval of their median:
+    n/2 -+ 1.96 sqrt(n)/2."""
+    half = 0.98 * n**0.5
+    return max(0, int(n / 2 - half)), min(n - 1, int(n / 2 + half + 0.999))
+
+
 def bench_sanitizer(be, rounds=200, step_rounds=10):
     """Capture time of a runner (8 batch sizes) and replay time, with and without the pool sanitizer.
 
@@ -337,10 +344,8 @@ def bench_sanitizer(be, rounds=200, step_rounds=10):
     p, w = statistics.median(plain), statistics.median(watched)
     ps, ws = statistics.median(plain_step), statistics.median(watched_step)
     ratios = sorted(b / a for a, b in zip(plain, watched))
-    n = len(ratios)
-    q = n // 4
-    half = 0.98 * n**0.5  # distribution-free 95 % interval of a median: ranks n/2 -+ 1.96 sqrt(n)/2
-    lo, hi = max(0, int(n / 2 - half)), min(n - 1, int(n / 2 + half + 0.999))
+    q = len(ratios) // 4
+    lo, hi = median_ci95(len(ratios))
     return {"profile_top": sanitized_profile(be, capture_only), "rounds": rounds,
             "capture_ms": p, "capture_ms_sanitized": w,
             "capture_overhead": statistics.median(ratios) - 1, "target_capture_overhead": 0.02,
@@ -353,14 +358,18 @@ def bench_sanitizer(be, rounds=200, step_rounds=10):
             "capture_spread_ms": [min(plain), max(plain)], "capture_spread_sanitized_ms": [min(watched), max(watched)]}
 
 
-def bench_flush_path(be, rounds=60, pinned=8, graphs=8, body="one op"):
+def bench_flush_path(be, rounds=200, pinned=8, graphs=8, body="one op"):
     """Captures through ``torch.cuda.graph`` (``backend.graph``), which flushes the cache at each one, while
     ``pinned`` pools released by earlier engines are pinned by outputs kept alive: dead pools the sanitizer
     judges every capture against, and whose erasure by a flush it must be able to tell. Plain vs
     sanitized, paired (each side first in turn); the median of the per-round ratios. A third side wraps the same
     four calls (both flushes, capture_begin, capture_end) in functions that only call through: what any Python
     observer of them costs in this flow. ``body``: what each graph captures, one op (the target's small graph) or
-    the runner bench's 16 layers (a decode step's size: the same fixed cost a capture against more work)."""
+    the runner bench's 16 layers (a decode step's size: the same fixed cost a capture against more work).
+
+    One round's ratio spreads over +-8 % on an H100's host, so the median of many rounds, with its 95 %
+    interval; the objects made before the rounds are frozen (``gc.freeze``) so that the collection before
+    each side, which keeps a collection out of the timing, takes little time (as in a reused worker)."""
     import gc
 
     from cudagraph_lifecycle import PoolSanitizer
@@ -389,6 +398,9 @@ def bench_flush_path(be, rounds=60, pinned=8, graphs=8, body="one op"):
             g.reset()
             kept.append(y)
             del g, y
+
+    gc.collect()
+    gc.freeze()
 
     def capture_ms():
         gc.collect()
@@ -436,20 +448,27 @@ def bench_flush_path(be, rounds=60, pinned=8, graphs=8, body="one op"):
     for side in sides:
         side()
     times: dict = {side: [] for side in sides}
-    for i in range(rounds):  # each side first, second, ... in turn
-        k = i % len(sides)
-        for side in sides[k:] + sides[:k]:
-            times[side].append(side())
+    try:
+        for i in range(rounds):  # each side first, second, ... in turn
+            k = i % len(sides)
+            for side in sides[k:] + sides[:k]:
+                times[side].append(side())
+    finally:
+        gc.unfreeze()
     del kept
 
     def overhead(side) -> tuple[float, list[float]]:
         ratios = sorted(b / a for a, b in zip(times[capture_ms], times[side]))
         return statistics.median(ratios) - 1, [ratios[len(ratios) // 4] - 1, ratios[-len(ratios) // 4 - 1] - 1]
 
+    lo, hi = median_ci95(rounds)
+    ratios = sorted(b / a for a, b in zip(times[capture_ms], times[sanitized]))
+
     out = {"pinned_pools": pinned, "graphs": graphs, "rounds": rounds, "body": body,
            "capture_path": compiled.path(), "capture_ms": statistics.median(times[capture_ms]),
            "capture_ms_sanitized": statistics.median(times[sanitized]), "target_overhead": 0.05}
     out["overhead"], out["overhead_iqr"] = overhead(sanitized)
+    out["overhead_ci95"] = [ratios[lo] - 1, ratios[hi] - 1]
     out["overhead_of_bare_wrappers"], out["overhead_of_bare_wrappers_iqr"] = overhead(bare)
     if sanitized_python in times:  # the same rounds with the Python capture path: what compiling it saves
         out["overhead_python_path"], out["overhead_python_path_iqr"] = overhead(sanitized_python)

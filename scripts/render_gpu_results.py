@@ -82,9 +82,11 @@ def main(folder: str) -> None:
         for fl in br.get("flush", []):
             body = fl.get("body", "one op")
             path = f", capture path {fl['capture_path']}" if "capture_path" in fl else ""
+            ci = fl.get("overhead_ci95")  # (absent from older results)
+            ci = f"{fl['rounds']} rounds, 95% interval {ci[0] * 100:+.1f} … {ci[1] * 100:+.1f}%; " if ci else ""
             print(f"| sanitizer: `torch.cuda.graph` captures of {body} (a cache flush each) with {fl['pinned_pools']} "
                   f"released pools pinned{path} | {fl['overhead'] * 100:+.1f}% ({fl['capture_ms_sanitized']:.2f} vs "
-                  f"{fl['capture_ms']:.2f} ms for {fl['graphs']} graphs; IQR {fl['overhead_iqr'][0] * 100:+.1f} … "
+                  f"{fl['capture_ms']:.2f} ms for {fl['graphs']} graphs; {ci}IQR {fl['overhead_iqr'][0] * 100:+.1f} … "
                   f"{fl['overhead_iqr'][1] * 100:+.1f}%) | {'≤ 5%' if body == 'one op' else ''} |")
             if "overhead_python_path" in fl:
                 lo, hi = fl["overhead_python_path_iqr"]
