@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench.common import emit  # noqa: E402
+from bench.common import emit, pinned_pools  # noqa: E402
 from cudagraph_lifecycle import CUDAGraphRunner, checks, get_backend  # noqa: E402
 
 MiB = 1 << 20
@@ -389,15 +389,7 @@ def bench_flush_path(be, rounds=200, pinned=8, graphs=8, body="one op"):
     with be.stream(stream):  # eager warm-up on the capture stream: cuBLAS makes its handle outside a capture
         captured()
     be.synchronize()
-    kept = []
-    with PoolSanitizer(be):  # the ledger knows these pools: each is released, and pinned by its output
-        for _ in range(pinned):
-            g = be.new_graph()
-            with be.graph(g, pool=be.graph_pool_handle(), stream=stream):
-                y = x * 2
-            g.reset()
-            kept.append(y)
-            del g, y
+    kept = pinned_pools(be, stream, x, pinned)
 
     gc.collect()
     gc.freeze()

@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from bench.bench_runner import launch_bound_model  # noqa: E402
-from bench.common import emit  # noqa: E402
+from bench.common import emit, pinned_pools  # noqa: E402
 from cudagraph_lifecycle import CUDAGraphRunner, PoolSanitizer, get_backend  # noqa: E402
 from cudagraph_lifecycle.backends import graph_apis  # noqa: E402
 
@@ -340,15 +340,7 @@ def main():
     x = torch.ones(64, 256, device=dev)
     stream = be.new_stream()
     out["graph_0_pinned"] = measure(be, lambda: graph_flow(be, stream, x), a.rounds, tgts)
-    kept = []
-    with PoolSanitizer(be):
-        for _ in range(8):
-            g = be.new_graph()
-            with be.graph(g, pool=be.graph_pool_handle(), stream=stream):
-                y = x * 2
-            g.reset()
-            kept.append(y)
-            del g, y
+    kept = pinned_pools(be, stream, x, 8)
     out["graph_8_pinned"] = measure(be, lambda: graph_flow(be, stream, x), a.rounds, tgts)
     del kept
     out["graph_segments"] = segments(be, stream, x, a.segment_rounds or (100 if be.name == "cuda" else 10))

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import statistics
 import sys
@@ -23,6 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from bench.common import emit, pinned_pools  # noqa: E402
 from cudagraph_lifecycle import PoolSanitizer, get_backend  # noqa: E402
 
 
@@ -33,7 +33,7 @@ def python_calls() -> int:
     except ImportError:  # not built: every call is Python's
         return 0
     kinds = (_capture.CaptureBegin, _capture.CaptureEnd, _capture.FlushGate)
-    return sum(o.python_calls for o in gc.get_objects() if isinstance(o, kinds))
+    return sum(o.python_calls for o in gc.get_objects() if type(o) in kinds)  # (isinstance wakes lazy proxies)
 
 
 def case(be, pinned: int, rounds: int) -> dict:
@@ -43,15 +43,7 @@ def case(be, pinned: int, rounds: int) -> dict:
     with be.stream(stream):
         (x + 1).relu_()
     be.synchronize()
-    kept = []
-    with PoolSanitizer(be):
-        for _ in range(pinned):
-            g = be.new_graph()
-            with be.graph(g, pool=be.graph_pool_handle(), stream=stream):
-                y = x * 2
-            g.reset()
-            kept.append(y)
-            del g, y
+    kept = pinned_pools(be, stream, x, pinned)
 
     def capture_ms() -> float:
         gc.collect()
@@ -113,10 +105,7 @@ def main() -> None:
     res = {"backend": be.name, "torch": torch.__version__, "cases": [case(be, n, a.rounds) for n in (0, 8, 0, 8)]}
     if be.name == "cuda":
         res["gpu"] = torch.cuda.get_device_name(0)
-    print(json.dumps(res, indent=1))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
+    emit(res, a.json)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ module, and by a ``torch.ops`` call: does the mode see a tensor of that storage 
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
 import os
 import statistics
 import sys
@@ -21,8 +21,9 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from bench.common import emit  # noqa: E402
 from cudagraph_lifecycle.checks.capture_watch import CaptureWatch  # noqa: E402
 
 
@@ -48,26 +49,27 @@ def _storages(items, out):
             _storages(t, out)
 
 
-class SeenDispatch(TorchDispatchMode):
+class _Seen:
+    """A mode that notes the storage of every tensor among an op's arguments."""
+
     def __init__(self):
         super().__init__()
         self.seen: set[int] = set()
 
+    def _call(self, func, args, kwargs):
+        _storages(args, self.seen)
+        _storages((kwargs or {}).values(), self.seen)
+        return func(*args, **(kwargs or {}))
+
+
+class SeenDispatch(_Seen, TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        _storages(args, self.seen)
-        _storages((kwargs or {}).values(), self.seen)
-        return func(*args, **(kwargs or {}))
+        return self._call(func, args, kwargs)
 
 
-class SeenFunction(TorchFunctionMode):
-    def __init__(self):
-        super().__init__()
-        self.seen: set[int] = set()
-
+class SeenFunction(_Seen, TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        _storages(args, self.seen)
-        _storages((kwargs or {}).values(), self.seen)
-        return func(*args, **(kwargs or {}))
+        return self._call(func, args, kwargs)
 
 
 def timing(device: str, layers: int, rounds: int) -> dict:
@@ -84,27 +86,15 @@ def timing(device: str, layers: int, rounds: int) -> dict:
         torch.cuda.synchronize()
 
     def once(make) -> float:
-        mode = make() if make else None
+        mode = make() if make else contextlib.nullcontext()
         with torch.no_grad():
-            if cuda:
-                g = torch.cuda.CUDAGraph()
-                t0 = time.perf_counter()
-                with torch.cuda.graph(g, pool=pool, stream=stream):
-                    if mode is None:
-                        model(x)
-                    else:
-                        with mode:
-                            model(x)
-                dt = time.perf_counter() - t0
-                del g
-            else:
-                t0 = time.perf_counter()
-                if mode is None:
-                    model(x)
-                else:
-                    with mode:
-                        model(x)
-                dt = time.perf_counter() - t0
+            g = torch.cuda.CUDAGraph() if cuda else None
+            around = torch.cuda.graph(g, pool=pool, stream=stream) if cuda else contextlib.nullcontext()
+            t0 = time.perf_counter()
+            with around, mode:
+                model(x)
+            dt = time.perf_counter() - t0
+            del g
         return dt / layers * 1e6
 
     times: dict[str, list[float]] = {k: [] for k in modes}
@@ -162,10 +152,7 @@ def main() -> None:
            "timing": timing(a.device, a.layers, a.rounds), "sees": coverage(a.device)}
     if a.device == "cuda":
         res["gpu"] = torch.cuda.get_device_name(0)
-    print(json.dumps(res, indent=1))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
+    emit(res, a.json)
 
 
 if __name__ == "__main__":
