@@ -224,7 +224,9 @@ def _header_lines(config: pytest.Config, program: str | None) -> list[str]:
         f"workers start by {s['start_reason']}, timeout={s['timeout']:g}s, sanitize={s['sanitize']}"
         + (f" (and program-wide CUDAGRAPH_SANITIZE={os.environ.get('CUDAGRAPH_SANITIZE') or program})"
            if program else "")
-        + f", engines held by {s['worker']}" + (f" ({s['mpi_ranks']} ranks)" if s["worker"] == "mpi" else ""),
+        # the worker kind, not the start method above: "fork" is reused worker processes, however started
+        + (f", engines held by MPI ranks (worker=mpi, {s['mpi_ranks']} ranks)" if s["worker"] == "mpi"
+           else f", engines held by reused workers (worker={s['worker']})"),
         # which copy runs: a system-wide pytest may load another checkout's editable install
         f"cudagraph: plugin from {os.path.dirname(os.path.abspath(__file__))}",
     ]

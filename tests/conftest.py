@@ -3,6 +3,15 @@ import sys
 
 import pytest
 
+# pytester's in-process runs unload the modules a run imported, and a C extension (torch's, numpy's) cannot
+# be loaded twice in one process: load them before any run, whichever test files are selected
+import torch  # noqa: F401, E402
+
+try:
+    import matplotlib  # noqa: F401  (and numpy under it: the timeline test's)
+except ImportError:
+    pass
+
 # gpu_cases is imported by name inside spawned workers too.
 sys.path.insert(0, os.path.dirname(__file__))
 

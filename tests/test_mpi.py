@@ -61,7 +61,7 @@ def test_mpi_worker_option_runs_sequences_on_every_rank(pytester):
     report = pytester.path / "r.json"
     res = run(pytester, "--cudagraph-worker=mpi", "--cudagraph-mpi-ranks=2", f"--cudagraph-report={report}")
     res.assert_outcomes(passed=1)
-    res.stdout.fnmatch_lines(["*engines held by mpi (2 ranks)*", "*/r1*held"])
+    res.stdout.fnmatch_lines(["*engines held by MPI ranks (worker=mpi, 2 ranks)*", "*/r1*held"])
     cycles = json.loads(report.read_text())["tests"][0]["cycles"]
     assert {c["rank"] for c in cycles} == {0, 1}
 

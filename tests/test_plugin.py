@@ -403,7 +403,7 @@ def test_xdist_two_workers(pytester):
     import pytest_cudagraph
 
     res.stdout.fnmatch_lines(["cudagraph: backend=auto (effective sim), gpus=0, workers start by *, "
-                              "engines held by fork",
+                              "engines held by reused workers (worker=fork)",
                               f"cudagraph: plugin from {os.path.dirname(os.path.abspath(pytest_cudagraph.__file__))}"])
     assert sum(line.startswith("cudagraph:") for line in res.stdout.lines) == 2, res.stdout.str()
     res.stdout.fnmatch_lines(["8 engine cycles: 0 fresh, 8 held; 0 failed*; backend sim"])
