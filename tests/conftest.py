@@ -5,7 +5,7 @@ import pytest
 
 # pytester's in-process runs unload the modules a run imported, and a C extension (torch's, numpy's) cannot
 # be loaded twice in one process: load them before any run, whichever test files are selected
-import torch  # noqa: F401, E402
+import torch  # noqa: F401
 
 try:
     import matplotlib  # noqa: F401  (and numpy under it: the timeline test's)

@@ -12,10 +12,6 @@ import sys
 
 import pytest
 
-# loaded before the in-process runs: pytester unloads what a run imported, and torch's extension cannot be
-# loaded twice in one process
-import torch  # noqa: F401
-
 from pytest_cudagraph.mpi import mpi_unavailable_reason
 
 PLAIN_TEST = "def test_x(cudagraph_backend_name): pass"
