@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench.common import emit, pinned_pools  # noqa: E402
+from bench.common import StartedOnce, emit, pinned_pools  # noqa: E402
 from cudagraph_lifecycle import CUDAGraphRunner, checks, get_backend  # noqa: E402
 
 MiB = 1 << 20
@@ -367,9 +367,13 @@ def bench_flush_path(be, rounds=200, pinned=8, graphs=8, body="one op"):
     observer of them costs in this flow. ``body``: what each graph captures, one op (the target's small graph) or
     the runner bench's 16 layers (a decode step's size: the same fixed cost a capture against more work).
 
-    One round's ratio spreads over +-8 % on an H100's host, so the median of many rounds, with its 95 %
-    interval; the objects made before the rounds are frozen (``gc.freeze``) so that the collection before
-    each side, which keeps a collection out of the timing, takes little time (as in a reused worker)."""
+    The sanitizer is started once for all rounds, as a process runs it (``bench.common.StartedOnce`` puts its
+    wrappers back for its own rounds only): the figure against the target. Beside it in the same rounds, a
+    sanitizer started for each round (the start's own cost, paid once by a process, then weighs on 8 captures)
+    with its capture path compiled and in Python. One round's ratio spreads over +-8 % on an H100's host, so
+    the median of many rounds, with its 95 % interval; the objects made before the rounds are frozen
+    (``gc.freeze``) so that the collection before each side, which keeps a collection out of the timing, takes
+    little time (as in a reused worker)."""
     import gc
 
     from cudagraph_lifecycle import PoolSanitizer
@@ -390,6 +394,7 @@ def bench_flush_path(be, rounds=200, pinned=8, graphs=8, body="one op"):
         captured()
     be.synchronize()
     kept = pinned_pools(be, stream, x, pinned)
+    once = StartedOnce(be)  # before the freeze: a worker freezes what it started with, its sanitizer among them
 
     gc.collect()
     gc.freeze()
@@ -408,7 +413,7 @@ def bench_flush_path(be, rounds=200, pinned=8, graphs=8, body="one op"):
             g.reset()
         return dt
 
-    def sanitized():
+    def per_round():
         with PoolSanitizer(be):
             return capture_ms()
 
@@ -425,28 +430,39 @@ def bench_flush_path(be, rounds=200, pinned=8, graphs=8, body="one op"):
 
     from cudagraph_lifecycle.observe import compiled
 
-    def sanitized_python():  # the sanitizer with its capture path in Python (installed anew for each round)
+    def per_round_python():  # the sanitizer with its capture path in Python (installed anew for each round)
         before = os.environ.get("CUDAGRAPH_CAPTURE_PATH")
         os.environ["CUDAGRAPH_CAPTURE_PATH"] = "python"
         try:
-            return sanitized()
+            return per_round()
         finally:
             if before is None:
                 del os.environ["CUDAGRAPH_CAPTURE_PATH"]
             else:
                 os.environ["CUDAGRAPH_CAPTURE_PATH"] = before
 
-    sides = (capture_ms, sanitized, bare) + ((sanitized_python,) if compiled.path() == "compiled" else ())
-    for side in sides:
-        side()
-    times: dict = {side: [] for side in sides}
+    def sanitized():
+        return once.run(capture_ms)
+
+    def sanitized_per_round():
+        return once.aside(per_round)
+
+    def sanitized_python():
+        return once.aside(per_round_python)
+
+    sides = (capture_ms, sanitized, sanitized_per_round, bare) + (
+        (sanitized_python,) if compiled.path() == "compiled" else ())
     try:
+        for side in sides:
+            side()
+        times: dict = {side: [] for side in sides}
         for i in range(rounds):  # each side first, second, ... in turn
             k = i % len(sides)
             for side in sides[k:] + sides[:k]:
                 times[side].append(side())
     finally:
         gc.unfreeze()
+        once.stop()
     del kept
 
     def overhead(side) -> tuple[float, list[float]]:
@@ -461,8 +477,10 @@ def bench_flush_path(be, rounds=200, pinned=8, graphs=8, body="one op"):
            "capture_ms_sanitized": statistics.median(times[sanitized]), "target_overhead": 0.05}
     out["overhead"], out["overhead_iqr"] = overhead(sanitized)
     out["overhead_ci95"] = [ratios[lo] - 1, ratios[hi] - 1]
+    out["us_per_capture"] = statistics.median((b - a) / graphs * 1e3 for a, b in zip(times[capture_ms], times[sanitized]))
+    out["overhead_per_round"], out["overhead_per_round_iqr"] = overhead(sanitized_per_round)
     out["overhead_of_bare_wrappers"], out["overhead_of_bare_wrappers_iqr"] = overhead(bare)
-    if sanitized_python in times:  # the same rounds with the Python capture path: what compiling it saves
+    if sanitized_python in times:  # per round with the Python capture path: against per round compiled
         out["overhead_python_path"], out["overhead_python_path_iqr"] = overhead(sanitized_python)
     return out
 

@@ -96,8 +96,8 @@ step "examples, fork path (pytest process without CUDA)" $PT examples/ --cudagra
 step "bench runner" python3 bench/bench_runner.py --backend cuda --json "$R/bench-runner.json"
 step "probe: checked mode's watch, a dispatch mode against a function mode" python3 scripts/probe_watch_modes.py \
   --json "$R/probe-watch-modes.json"
-step "probe: the sanitizer with 8 pools pinned, per round and started once" python3 scripts/probe_pinned_flush.py \
-  --json "$R/probe-pinned-flush.json"
+step "probe: the one-op figure, pools pinned, heap frozen or live, sanitizer per round or started once" \
+  python3 scripts/probe_pinned_flush.py --json "$R/probe-pinned-flush.json"
 step "bench wrapper cost (each observed call, timed from outside)" python3 bench/bench_wrapper_cost.py --backend cuda \
   --rounds 25 --segment-rounds 60 --json "$R/bench-wrapper-cost.json"
 step "bench sanitizer memory (10,000 captures a round)" python3 bench/bench_sanitizer_memory.py --backend cuda \

@@ -1,12 +1,15 @@
-"""Why the sanitizer's one-op `torch.cuda.graph` figure is higher with 8 released pools pinned than with none
-(bench_runner's flush part: runs 16-18 +4.8 / +6.0 / +8.2 % against +3.7 / +2.8 / +4.6 %), where the per-call
-costs of its wrappers are the same (bench_wrapper_cost).
+"""What the sanitizer's one-op `torch.cuda.graph` figure depends on: released pools pinned (0 or 8), the heap
+frozen or live, and whether the sanitizer is started for each round (as bench_runner's flush part does) or
+once for the whole process (as `CUDAGRAPH_SANITIZE=1` and the plugin's workers run it).
 
-    python scripts/probe_pinned_flush.py [--backend auto] [--rounds 40] [--json PATH]
+    python scripts/probe_pinned_flush.py [--backend auto] [--rounds 100] [--json PATH]
 
-For 0 and 8 pinned pools, paired rounds of 8 one-op captures: plain; sanitized with a sanitizer started for
-the round (as the bench does); and sanitized by one sanitizer started once for all rounds (as a process
-runs). Also: how many calls of each compiled wrapper took the Python path per round.
+Each case: paired rounds of 8 one-op captures into one pool, each side first in turn, a collection before
+each side. Sides: plain; the sanitizer started for the round; one sanitizer started once before the case,
+its wrappers set back in front of the graph API for its rounds and taken off for the others (its ledger,
+judge and wrappers' state live on, as in a process); the four calls wrapped by functions that only call
+through (the floor any Python observer pays). For each: the median of the per-round ratios to plain with
+its 95 % interval, and the µs a capture added (the median of the per-round differences over 8).
 """
 
 from __future__ import annotations
@@ -22,21 +25,13 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench.common import emit, pinned_pools  # noqa: E402
+from bench import bench_wrapper_cost as wrapper_cost  # noqa: E402
+from bench.bench_runner import median_ci95  # noqa: E402
+from bench.common import StartedOnce, emit, pinned_pools  # noqa: E402
 from cudagraph_lifecycle import PoolSanitizer, get_backend  # noqa: E402
 
 
-def python_calls() -> int:
-    """The hand-offs to Python of every live compiled wrapper (capture_begin, capture_end, flush gates)."""
-    try:
-        from cudagraph_lifecycle.observe import _capture
-    except ImportError:  # not built: every call is Python's
-        return 0
-    kinds = (_capture.CaptureBegin, _capture.CaptureEnd, _capture.FlushGate)
-    return sum(o.python_calls for o in gc.get_objects() if type(o) in kinds)  # (isinstance wakes lazy proxies)
-
-
-def case(be, pinned: int, rounds: int) -> dict:
+def case(be, pinned: int, frozen: bool, rounds: int) -> dict:
     dev = be.torch_device(0)
     x = torch.ones(64, 256, device=dev)
     stream = be.new_stream()
@@ -59,50 +54,61 @@ def case(be, pinned: int, rounds: int) -> dict:
             g.reset()
         return dt
 
-    handoffs: list[int] = []
-
     def per_round() -> float:
         with PoolSanitizer(be):
-            before = python_calls()
-            dt = capture_ms()
-            handoffs.append(python_calls() - before)
-            return dt
+            return capture_ms()
 
-    long_lived = PoolSanitizer(be)
-    sides = {"plain": capture_ms, "sanitizer per round": per_round}
-    times: dict[str, list[float]] = {k: [] for k in (*sides, "sanitizer started once")}
-    for fn in sides.values():
-        fn()
-    for i in range(rounds):
-        for name in list(sides)[:: 1 if i % 2 == 0 else -1]:
-            times[name].append(sides[name]())
-    long_lived.start()
+    once = StartedOnce(be)
+
+    tgts = wrapper_cost.targets(be.name)
+
+    def bare() -> float:
+        saved = wrapper_cost.patch_bare(tgts)
+        try:
+            return capture_ms()
+        finally:
+            wrapper_cost.unpatch(saved)
+
+    sides = {"plain": capture_ms, "sanitizer started once": lambda: once.run(capture_ms),
+             "sanitizer per round": lambda: once.aside(per_round), "call-through wrappers": bare}
+    times: dict[str, list[float]] = {k: [] for k in sides}
+    gc.collect()
+    if frozen:
+        gc.freeze()
     try:
-        capture_ms()
-        for _ in range(rounds):  # a long-lived sanitizer is not switched off between rounds: its own rounds,
-            times["sanitizer started once"].append(capture_ms())  # against the plain rounds before and after
+        for fn in sides.values():
+            fn()
+        names = list(sides)
+        for i in range(rounds):
+            k = i % len(names)
+            for name in names[k:] + names[:k]:
+                times[name].append(sides[name]())
     finally:
-        long_lived.stop()
-    plain_again = [capture_ms() for _ in range(rounds // 2)]
+        if frozen:
+            gc.unfreeze()
+        once.stop()
     del kept
     plain = times["plain"]
-    out = {"pinned": pinned, "rounds": rounds, "median_ms": {k: statistics.median(v) for k, v in times.items()},
-           "plain_after_ms": statistics.median(plain_again),
-           "overhead_per_round_paired": statistics.median(b / a for a, b in zip(plain, times["sanitizer per round"])) - 1,
-           "python_handoffs_per_round": statistics.median(handoffs)}
-    out["overhead_started_once_vs_plain_medians"] = out["median_ms"]["sanitizer started once"] / statistics.median(
-        plain) - 1
+    lo, hi = median_ci95(rounds)
+    out: dict = {"pinned": pinned, "heap": "frozen" if frozen else "live", "rounds": rounds,
+                 "plain_ms": statistics.median(plain)}
+    for name in names[1:]:
+        ratios = sorted(b / a for a, b in zip(plain, times[name]))
+        diffs = sorted((b - a) / 8 * 1e3 for a, b in zip(plain, times[name]))
+        out[name] = {"overhead": statistics.median(ratios) - 1, "ci95": [ratios[lo] - 1, ratios[hi] - 1],
+                     "us_per_capture": statistics.median(diffs), "ms": statistics.median(times[name])}
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backend", default="auto")
-    ap.add_argument("--rounds", type=int, default=40)
+    ap.add_argument("--rounds", type=int, default=100)
     ap.add_argument("--json")
     a = ap.parse_args()
     be = get_backend(a.backend)
-    res = {"backend": be.name, "torch": torch.__version__, "cases": [case(be, n, a.rounds) for n in (0, 8, 0, 8)]}
+    cases = [case(be, n, frozen, a.rounds) for frozen in (True, False) for n in (0, 8)]
+    res = {"backend": be.name, "torch": torch.__version__, "cases": cases}
     if be.name == "cuda":
         res["gpu"] = torch.cuda.get_device_name(0)
     emit(res, a.json)
