@@ -362,7 +362,7 @@ def bench_flush_path(be, rounds=200, pinned=8, graphs=8, body="one op"):
     """Captures through ``torch.cuda.graph`` (``backend.graph``), which flushes the cache at each one, while
     ``pinned`` pools released by earlier engines are pinned by outputs kept alive: dead pools the sanitizer
     judges every capture against, and whose erasure by a flush it must be able to tell. Plain vs
-    sanitized, paired (each side first in turn); the median of the per-round ratios. A third side wraps the same
+    sanitized, paired (each side first in turn); the median of the per-round ratios. Another side wraps the same
     four calls (both flushes, capture_begin, capture_end) in functions that only call through: what any Python
     observer of them costs in this flow. ``body``: what each graph captures, one op (the target's small graph) or
     the runner bench's 16 layers (a decode step's size: the same fixed cost a capture against more work).
