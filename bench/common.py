@@ -60,7 +60,8 @@ class StartedOnce:
 
     def aside(self, fn):
         """``fn()`` with the layer's state (holders, wrappers, flush gates) stashed: a sanitizer started in it
-        installs the layer afresh, and this one's comes back untouched."""
+        installs the layer afresh, and this one's comes back as it was, its flush gates armed (what ``fn``
+        released waits for a flush, as a process's gates would know)."""
         from cudagraph_lifecycle.ledger import ledger
 
         ob = self._observe
@@ -74,6 +75,8 @@ class StartedOnce:
             ob._holders, ob._saved[:] = stash[0], stash[1]
             ob._direct.update(stash[2])
             ledger.flush_watchers[:] = stash[3]
+            for arm in ledger.flush_watchers:
+                arm()
 
     def stop(self) -> None:
         self._put_back()

@@ -47,8 +47,13 @@ def test_started_once_watches_its_rounds_only_and_restores_the_api():
                 fresh.append(vars(cls)["capture_begin"])
                 return capture()
 
+        gates = [w for _, _, w, _ in once._ours if hasattr(w, "armed")]
+        assert gates
+        for g in gates:
+            g.armed = False
         assert once.aside(per_round) == 1  # a sanitizer started aside watches its round with its own wrappers
         assert fresh[0] is not wrapper
+        assert all(g.armed for g in gates)  # what it released waits for a flush the long-lived one must see
         assert observe.installed() and once.run(capture) == 1  # and the long-lived one comes back untouched
         assert once.run(lambda: vars(cls)["capture_begin"]) is wrapper
     finally:
