@@ -1,15 +1,18 @@
 """What the sanitizer's one-op `torch.cuda.graph` figure depends on: released pools pinned (0 or 8), the heap
-frozen or live, and whether the sanitizer is started for each round (as bench_runner's flush part does) or
-once for the whole process (as `CUDAGRAPH_SANITIZE=1` and the plugin's workers run it).
+frozen or live, and whether the sanitizer is started for each round or once for the whole process (as
+`CUDAGRAPH_SANITIZE=1` and the plugin's workers run it, and as bench_runner's flush part measures it).
 
-    python scripts/probe_pinned_flush.py [--backend auto] [--rounds 100] [--json PATH]
+    python scripts/probe_pinned_flush.py [--backend auto] [--rounds 60] [--json PATH]
 
-Each case: paired rounds of 8 one-op captures into one pool, each side first in turn, a collection before
-each side. Sides: plain; the sanitizer started for the round; one sanitizer started once before the case,
-its wrappers set back in front of the graph API for its rounds and taken off for the others (its ledger,
-judge and wrappers' state live on, as in a process); the four calls wrapped by functions that only call
-through (the floor any Python observer pays). For each: the median of the per-round ratios to plain with
-its 95 % interval, and the µs a capture added (the median of the per-round differences over 8).
+The four cases run twice, the second time in the reverse order, so that a case's place in the process (the
+first cases run in a fresh process; the bench's flush part runs after every other part) shows apart from
+what it measures. Each case: paired rounds of 8 one-op captures into one pool, each side first in turn, a
+collection before each side. Sides: plain; the sanitizer started for the round; one sanitizer started once
+before the case, its wrappers set back in front of the graph API for its rounds and taken off for the
+others (its ledger, judge and wrappers' state live on, as in a process); the four calls wrapped by
+functions that only call through (the floor any Python observer pays). For each: the median of the
+per-round ratios to plain with its 95 % interval, and the µs a capture added (the median of the per-round
+differences over 8).
 """
 
 from __future__ import annotations
@@ -103,11 +106,12 @@ def case(be, pinned: int, frozen: bool, rounds: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backend", default="auto")
-    ap.add_argument("--rounds", type=int, default=100)
+    ap.add_argument("--rounds", type=int, default=60)
     ap.add_argument("--json")
     a = ap.parse_args()
     be = get_backend(a.backend)
-    cases = [case(be, n, frozen, a.rounds) for frozen in (True, False) for n in (0, 8)]
+    order = [(frozen, n) for n in (0, 8) for frozen in (True, False)]
+    cases = [case(be, n, frozen, a.rounds) | {"place": i} for i, (frozen, n) in enumerate(order + order[::-1])]
     res = {"backend": be.name, "torch": torch.__version__, "cases": cases}
     if be.name == "cuda":
         res["gpu"] = torch.cuda.get_device_name(0)
