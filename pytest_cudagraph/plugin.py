@@ -68,6 +68,11 @@ def _check_report_path(s: dict, probe: bool = True) -> str:
     path = os.path.abspath(s["report"])
     folder = os.path.dirname(path)
     if not os.path.isdir(folder):
+        existing = folder
+        while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+            existing = os.path.dirname(existing)
+        if not os.path.isdir(existing):  # mkdir -p cannot make a folder where a file is
+            raise pytest.UsageError(f"{given}: {existing} is a file, not a folder; choose another path")
         raise pytest.UsageError(f"{given}: the folder {folder} does not exist; create it (mkdir -p {folder}) or "
                                 "choose another path")
     if os.path.isdir(path):

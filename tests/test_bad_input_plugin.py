@@ -53,6 +53,8 @@ OPTIONS = [
     ("report folder env", [], {"CUDAGRAPH_REPORT": "/nonexistent/dir/r.json"}, "",
      "CUDAGRAPH_REPORT=/nonexistent/dir/r.json: the folder /nonexistent/dir does not exist"),
     ("report is a folder", ["--cudagraph-report=."], {}, "", "is a folder: give a file path"),
+    ("report under a file", ["--cudagraph-report=/etc/passwd/out/r.json"], {}, "",
+     "--cudagraph-report=/etc/passwd/out/r.json: /etc/passwd is a file, not a folder; choose another path"),
     ("cuda without a GPU cli", ["--cudagraph-backend=cuda"], {}, "",
      "--cudagraph-backend=cuda: no usable GPU is visible to this process"),
     ("cuda without a GPU env", [], {"CUDAGRAPH_BACKEND": "cuda"}, "",
