@@ -125,7 +125,9 @@ def test_budgets_of_a_cudagraph_marked_test(pytester):
     budget_cases.check(run(pytester, budget_cases.SIM_CAPTURE + budget_cases.MARKED_TESTS))
 
 
-def test_budgets_of_an_engine_sequence(pytester):
+@pytest.mark.parametrize("sanitize", ["on", "off"])
+def test_budgets_of_an_engine_sequence(pytester, sanitize):
+    """The worker measures each engine's pools whatever the sanitizer's mode: the budgets hold under off too."""
     res = run(pytester, '''
 import pytest
 from engines_mod import checked, eager_only
@@ -145,7 +147,7 @@ def test_pool_over_budget(engine_sequence):
 def test_within(engine_sequence):
     (rec,) = engine_sequence(checked, 1)
     assert rec["graphs"] == 3 and rec["replays"] >= 1 and sum(rec["graph_bytes"].values()) == rec["pool_bytes"]
-''')
+''', f"--cudagraph-sanitize={sanitize}")
     res.assert_outcomes(passed=3)
 
 
