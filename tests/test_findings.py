@@ -930,8 +930,16 @@ def test_a_stale_pool_error_in_a_cycle_names_the_callers_held_output(cudagraph_w
     """What pins the dead pool is the output the caller holds (output="hold"), said in those words."""
     last = cudagraph_worker.call(_kept_handle_cycles, KeptHandleEngine)[-1]
     assert last["verdict"] == "stale", last
-    text = last["problems"][0]["message"]
-    assert "held as the previous engine's output, which the caller holds until the next engine has captured" in text
+    p = last["problems"][0]
+    assert "held as the previous engine's output, which the caller holds until the next engine has captured" in \
+        p["message"]
+    # the same facts as data, for a gate that reads the report: what pins the pool, its bytes, the stacks
+    (pin,) = p["pins"]
+    assert pin["cause"] == "python_reference" and pin["bytes"] == 512 and "previous engine's output" in pin["holder"]
+    assert p["bytes"] == 2 << 20, p  # the dead pool's segment, still reserved
+    assert [s.splitlines()[0] for s in p["stacks"]] == [
+        "--- the capture began at ---", "--- pool minted at ---", "--- its last graph was released at ---"], p
+    assert "test_findings.py" in p["stacks"][0], p
 
 
 @pytest.mark.parametrize("sanitized", [True, False])
@@ -948,6 +956,12 @@ def test_a_stale_capture_the_engine_caught_is_still_stale(cudagraph_worker, sani
     pinned = "the pool is pinned: 512 bytes pinned by a tensor (8,) float32 held as the previous engine's output, " \
         "which the caller holds"
     assert (pinned in p["message"]) is sanitized, p["message"]
+    assert len(p["stacks"]) == 3 and "test_findings.py" in p["stacks"][0], p
+    if sanitized:  # as data too; the poisoned process is asked nothing more
+        assert [(x["cause"], x["bytes"]) for x in p["pins"]] == [("python_reference", 512)], p
+        assert p["bytes"] == 2 << 20, p
+    else:
+        assert p["pins"] == [] and p["bytes"] == 0, p
 
 
 class MemPoolOnTheClass(KeptHandleEngine):

@@ -35,7 +35,7 @@ from ..errors import (
 )
 from ..ledger import SITES, Key, Stack, graph_sites, ledger, raised_site, shown_traceback
 from ..sanitizer.pins import beyond_output, describe, graph_holder, mempool_notes, what_pins
-from ..sanitizer.stale import pinned_by, side_stream_fix
+from ..sanitizer.stale import pinned_text, pins_of, side_stream_fix
 from ..sizes import size_text
 from ..trees import leaves
 from .caller import Caller, caller_copy
@@ -212,7 +212,11 @@ def failed(e: BaseException, rec: CycleRecord, be: Backend, since: int, step: st
                         f"{f' at {a.site}' if a.site else ''}, dead since its last graph was "
                         f"released{f' (made by {a.owner})' if a.owner else ''}. {stale_fix(a.owner, a.scope)}; "
                         f"{SANITIZER_STOPS_IT}\n" + "".join(a.stacks()))
-        rec.add("stale", msg, sites=[a.site if a is not None else getattr(stale, "site", "")])
+        # the refusal's facts as data too (what pins the pool, the bytes it holds, where it was captured,
+        # minted and released): a gate reads the fields, not the message
+        rec.add("stale", msg, getattr(stale, "held_bytes", 0),
+                getattr(stale, "stacks", None) or (a.stacks() if a is not None else []),
+                getattr(stale, "pins", None), sites=[a.site if a is not None else getattr(stale, "site", "")])
         return
     hint = ""
     if be.name == "sim" and any(m in str(e) for m in NO_CUDA_MARKERS):
@@ -290,15 +294,18 @@ def caught_stale(rec: CycleRecord, be: Backend, since: int) -> None:
         rec.poisoned = True
     what = ("the sanitizer refused it (StalePoolError)" if a.refused else
             "the allocator asserted ('use_count > 0 INTERNAL ASSERT FAILED') and the process is poisoned")
+    pins, held = [], 0
     if a.refused:  # the process is fine: ask what keeps the dead pool alive, as the error the engine caught did
         st = be.pool_state(a.key[2], a.key[1])
+        held = st.reserved_bytes
         if st.allocated_bytes:
-            what += f"; the pool is pinned: {pinned_by(be, a)}"
+            pins = pins_of(be, a)
+            what += f"; the pool is pinned: {pinned_text(pins)}"
         what += "".join(f"; {note}" for note in mempool_notes([a.key]).values())
     rec.add("stale", f"a capture into stale pool {a.key[2]} on device {a.key[1]} at {a.site or '(unknown)'}, whose "
                      f"error the engine caught (it went on without its graphs): {what}."
                      f"{f' The pool was made by {a.owner}.' if a.owner else ''} {stale_fix(a.owner, a.scope)}.\n"
-                     + "".join(a.stacks()), sites=[a.site])
+                     + "".join(a.stacks()), held, a.stacks(), [p.as_dict() for p in pins], sites=[a.site])
 
 
 def check_held(be: Backend, caller: Caller, current: set[Key]) -> CycleRecord | None:

@@ -30,12 +30,15 @@ def stale_error(backend: Backend, attempt: StaleAttempt) -> StalePoolError:
     """The error for a capture into a dead pool: why the pool is dead, where it was minted and released,
     and which engine made it."""
     _, device, pool_id = attempt.key
-    why = []
+    why, pins, held = [], [], 0
     if attempt.device_dead:
         st = backend.pool_state(pool_id, device)
+        held = st.reserved_bytes
+        if st.allocated_bytes:
+            pins = pins_of(backend, attempt)
         why.append(
             f"the device allocator still holds it ({size_text(st.reserved_bytes)} in {st.segments} segment(s)"
-            + (f": {pinned_by(backend, attempt)})" if st.allocated_bytes else
+            + (f": {pinned_text(pins)})" if st.allocated_bytes else
                "; no block of it is alive: no cache flush (empty_cache) ran since its last graph was reset)"
                if st.reserved_bytes else "; empty_cache has not run)")
         )
@@ -50,18 +53,26 @@ def stale_error(backend: Backend, attempt: StaleAttempt) -> StalePoolError:
         f"process.{made_by} {stale_fix(attempt.owner, attempt.scope)}.\n" + "".join(attempt.stacks())
     )
     err.pool_id, err.device, err.owner, err.site = tuple(pool_id), device, attempt.owner, attempt.site
+    # the same facts as data, for reports: what pins the pool, the bytes it holds, the stacks above
+    err.pins, err.held_bytes, err.stacks = [p.as_dict() for p in pins], held, attempt.stacks()
     return err
 
 
-def pinned_by(backend: Backend, attempt: StaleAttempt) -> str:
-    """Who holds the live blocks of the dead pool, in words (asked on the way to raising, and for a refused
-    capture the engine caught)."""
-    from .pins import describe, what_pins
+def pins_of(backend: Backend, attempt: StaleAttempt) -> list:
+    """Who holds the live blocks of the dead pool (asked on the way to raising, and for a refused capture the
+    engine caught): :class:`~.pins.Pin` records, empty where no holder could be named."""
+    from .pins import what_pins
 
     try:
-        pins = what_pins(backend, [attempt.key], clear_workspaces=False)  # explain, change nothing
+        return what_pins(backend, [attempt.key], clear_workspaces=False)  # explain, change nothing
     except Exception:  # naming the holder must never replace the error it explains
-        pins = []
+        return []
+
+
+def pinned_text(pins: list) -> str:
+    """What :func:`pins_of` found, in words."""
+    from .pins import describe
+
     return describe(pins) if pins else "a live tensor from its captures pins it"
 
 
