@@ -418,3 +418,22 @@ def test_the_json_report_needs_no_terminal(pytester):
     assert res.ret == 0
     data = json.loads(report.read_text())
     assert data["totals"]["cycles"] == 1 and data["tests"][0]["outcome"] == "passed"
+
+
+def test_a_bad_value_a_higher_source_overrides_is_not_read(pytester, monkeypatch):
+    """Only the values in effect are checked: a bad ini key under a good variable, and a bad variable under a
+    good flag, are not read (command line > environment > ini); the same bad values alone are errors."""
+    pytester.makeini("[pytest]\ncudagraph_timeout = soon\n")
+    pytester.makepyfile(test_a="def test_x(pytestconfig):\n"
+                               "    from pytest_cudagraph.settings import SETTINGS_KEY\n"
+                               "    assert pytestconfig.stash[SETTINGS_KEY]['timeout'] == 5\n")
+    monkeypatch.setenv("CUDAGRAPH_TIMEOUT", "5")
+    pytester.runpytest_inprocess("-p", "cudagraph").assert_outcomes(passed=1)
+    monkeypatch.setenv("CUDAGRAPH_TIMEOUT", "abc")
+    pytester.runpytest_inprocess("-p", "cudagraph", "--cudagraph-timeout=5").assert_outcomes(passed=1)
+    res = pytester.runpytest_inprocess("-p", "cudagraph")
+    assert res.ret == pytest.ExitCode.USAGE_ERROR and "CUDAGRAPH_TIMEOUT='abc'" in res.stderr.str(), res.stderr.str()
+    monkeypatch.delenv("CUDAGRAPH_TIMEOUT")
+    res = pytester.runpytest_inprocess("-p", "cudagraph")
+    assert res.ret == pytest.ExitCode.USAGE_ERROR and "ini key cudagraph_timeout='soon'" in res.stderr.str(), \
+        res.stderr.str()
