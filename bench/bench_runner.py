@@ -287,8 +287,6 @@ def bench_sanitizer(be, rounds=200, step_rounds=10):
     median of 200 per-round ratios, with its distribution-free 95 % interval and the interquartile range.
     The sanitizer's own time inside its wrappers is summed as well.
     """
-    import gc
-
     from bench import bench_wrapper_cost as wrapper_cost
     from cudagraph_lifecycle import PoolSanitizer
 
@@ -374,8 +372,6 @@ def bench_flush_path(be, rounds=200, pinned=8, graphs=8, body="one op"):
     the median of many rounds, with its 95 % interval; the objects made before the rounds are frozen
     (``gc.freeze``) so that the collection before each side, which keeps a collection out of the timing, takes
     little time (as in a reused worker)."""
-    import gc
-
     from cudagraph_lifecycle import PoolSanitizer
 
     dev = be.torch_device(0)
@@ -465,18 +461,17 @@ def bench_flush_path(be, rounds=200, pinned=8, graphs=8, body="one op"):
         once.stop()
     del kept
 
-    def overhead(side) -> tuple[float, list[float]]:
-        ratios = sorted(b / a for a, b in zip(times[capture_ms], times[side]))
-        return statistics.median(ratios) - 1, [ratios[len(ratios) // 4] - 1, ratios[-len(ratios) // 4 - 1] - 1]
-
     lo, hi = median_ci95(rounds)
-    ratios = sorted(b / a for a, b in zip(times[capture_ms], times[sanitized]))
+
+    def overhead(side, ci: bool = False) -> tuple:
+        ratios = sorted(b / a for a, b in zip(times[capture_ms], times[side]))
+        got = statistics.median(ratios) - 1, [ratios[len(ratios) // 4] - 1, ratios[-len(ratios) // 4 - 1] - 1]
+        return got + ([ratios[lo] - 1, ratios[hi] - 1],) if ci else got
 
     out = {"pinned_pools": pinned, "graphs": graphs, "rounds": rounds, "body": body,
            "capture_path": compiled.path(), "capture_ms": statistics.median(times[capture_ms]),
            "capture_ms_sanitized": statistics.median(times[sanitized]), "target_overhead": 0.05}
-    out["overhead"], out["overhead_iqr"] = overhead(sanitized)
-    out["overhead_ci95"] = [ratios[lo] - 1, ratios[hi] - 1]
+    out["overhead"], out["overhead_iqr"], out["overhead_ci95"] = overhead(sanitized, ci=True)
     out["us_per_capture"] = statistics.median((b - a) / graphs * 1e3 for a, b in zip(times[capture_ms], times[sanitized]))
     out["overhead_per_round"], out["overhead_per_round_iqr"] = overhead(sanitized_per_round)
     out["overhead_of_bare_wrappers"], out["overhead_of_bare_wrappers_iqr"] = overhead(bare)
