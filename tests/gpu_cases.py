@@ -409,6 +409,13 @@ def checked_runner_catches_its_bugs():
     broken.run(torch.ones(3, 64, device="cuda"))
     out["broken"] = broken.stats.failures[0]
     out["broken_clean"] = broken.release().clean
+
+    held = {"scale": torch.full((64,), 2.0, device="cuda")}  # read by every graph, named nowhere
+    scaled = CUDAGraphRunner(lambda v: v * held["scale"], [2, 4], (64,), backend="cuda", checked=True)
+    scaled.run(torch.ones(3, 64, device="cuda"))
+    del held["scale"]  # freed: the graphs would read freed memory
+    out["freed"] = scaled.check_addresses(raise_=False)
+    scaled.release()
     return out
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import cudagraph_lifecycle
-from cudagraph_lifecycle import CUDAGraphRunner, PoolSanitizer
+from cudagraph_lifecycle import CUDAGraphRunner, PoolSanitizer, checks
 from cudagraph_lifecycle.backends.sim import SimBackend
 from cudagraph_lifecycle.checks import enabled
 from cudagraph_lifecycle.errors import (
@@ -143,6 +143,22 @@ def test_watch_largest_watches_the_largest_capture_of_each_key_only():
         lin.weight.data = old_weight
         r.release()
     assert moved == {"each": ["small_bias", "weight"], "largest": ["weight"]}
+
+
+def test_the_watches_of_one_capture_set_look_at_a_storage_once():
+    """A weight every graph of a set reads is looked at (weak reference, address, size) by the first watch only;
+    the set holds it meanwhile, so its key cannot come to name another storage."""
+    w = torch.ones(8, 8)
+    known: dict = {}
+    watches = [checks.CaptureWatch(None, known) for _ in range(2)]
+    for watch in watches:
+        with watch:
+            torch.ones(2, 8) @ w  # the left operand is born in the capture, the weight is read
+    key = w.untyped_storage()._cdata
+    assert list(watches[0].reads) == list(watches[1].reads) == [key]
+    assert watches[0].reads[key] is watches[1].reads[key]
+    assert watches[0].reads[key].op == "aten.mm" and watches[0].reads[key].address == w.data_ptr()
+    assert known[key][1]._cdata == key
 
 
 def test_a_strict_sanitizer_turns_the_checks_on():

@@ -176,6 +176,9 @@ def test_checked_runner_catches_overwritten_outputs_padding_addresses_and_the_br
     assert r["address"].startswith("- weight: captured at 0x"), r
     assert "depend on the padding" in r["padding"], r
     assert "the op that broke the capture: aten._local_scalar_dense" in r["broken"] and "in syncs" in r["broken"], r
+    # one storage both graphs read (looked at once for the set), named by its first op and by both graphs
+    assert len(r["freed"]) == 1 and r["freed"][0].startswith("a 256-byte storage read by aten.mul"), r
+    assert "freed since the capture" in r["freed"][0] and "read by graph 4, graph 2" in r["freed"][0], r
 
 
 def test_expandable_segments_teardown_crashes_plain_pytorch_and_is_refused_by_on(cudagraph_worker):

@@ -247,6 +247,8 @@ class CUDAGraphRunner:
         self.watch = watch
         self._replays_of: Counter[tuple] = Counter()  # (graph key, real batch) -> replays, for recheck_every
         self._addresses = checks.AddressBook()
+        # during capture() with the op watch: (the set's known reads, the names of the tensors it may read)
+        self._watched: tuple[dict, dict] | None = None
 
     # lifecycle
     def _check_live(self) -> None:
@@ -270,6 +272,7 @@ class CUDAGraphRunner:
             self._static_in = torch.zeros((self.batch_sizes[-1], *self.feature_shape), dtype=self.dtype, device=dev)
             self._stream = self.backend.capture_stream(self.device)
             self._frames = capture_frames()  # where this capture was asked for: one stack for all its graphs
+            self._watched = ({}, checks.named_tensors(self._names)) if "capture" in self.checks else None
             pool_id, dead = self._take_pool(), False
             for bs in reversed(self.batch_sizes):
                 for ekey in self.extra_keys:
@@ -282,6 +285,8 @@ class CUDAGraphRunner:
         except BaseException:
             self._abandon_capture()
             raise
+        finally:
+            self._watched = None  # the set's known reads hold their storages until here
         self._captured = True
 
     def _take_pool(self) -> PoolId:
@@ -333,7 +338,7 @@ class CUDAGraphRunner:
             eager_failed = err is not None
             if err is None:
                 watched = "capture" in self.checks and (self.watch == "each" or bs == self.batch_sizes[-1])
-                watch = checks.CaptureWatch(be.invalidation_probe()) if watched else None
+                watch = checks.CaptureWatch(be.invalidation_probe(), self._watched[0]) if watched else None
                 reserved = be.memory_reserved(self.device)
                 t0 = time.perf_counter()
                 direct = observe.direct_capture(type(graph))
@@ -370,7 +375,7 @@ class CUDAGraphRunner:
                     offender = watch.offender if watch is not None else None
                     err_where = offender or (checks.user_frame(err.__traceback__) if err.__traceback__ else None)
                 elif watch is not None:
-                    self._addresses.add(f"graph {label}", watch.reads, checks.named_tensors(self._names))
+                    self._addresses.add(f"graph {label}", watch.reads, self._watched[1])
         if err is None:
             err = _unsliceable(out, bs)
         if err is not None:

@@ -35,9 +35,11 @@ class AddressBook:
     def add(self, graph: str, reads: dict[int, ReadStorage], names: Mapping[str, torch.Tensor]) -> None:
         self.reads[graph] = dict(reads)
         for name, t in names.items():
+            if name in self.names:  # its first capture's storage and address stand
+                continue
             st = t.untyped_storage()
             if st._cdata in reads:
-                self.names.setdefault(name, (st._cdata, st.data_ptr()))
+                self.names[name] = (st._cdata, st.data_ptr())
 
     def problems(self, names: Mapping[str, torch.Tensor]) -> list[str]:
         """Each captured storage that died or moved: what, where it was, where it is, the graphs reading it."""
@@ -63,7 +65,7 @@ class AddressBook:
             if key in seen:
                 continue
             if read.ref.expired():
-                what = label.get(key, f"a {read.nbytes}-byte storage read by {read.ops[0]}")
+                what = label.get(key, f"a {read.nbytes}-byte storage read by {read.op}")
                 out.append(f"{what}: freed since the capture (was at {read.address:#x}, read by {', '.join(graphs)}): "
                            "the graphs read freed memory")
         return out

@@ -12,7 +12,7 @@ import os
 import sys
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -45,10 +45,13 @@ class ReadStorage:
     ref: Any  # StorageWeakRef: tells when the storage dies, keeps nothing alive
     address: int
     nbytes: int
-    ops: list[str] = field(default_factory=list)
+    op: str  # the first op that read it
 
 
 _Tensor = torch.Tensor  # one global lookup per isinstance instead of two
+# A tensor's storage identity (the StorageImpl's address, as ``untyped_storage()._cdata``) without making a
+# storage object: half the cost per tensor, and most tensors an op passes are seen for their identity only.
+_storage_id = getattr(torch._C, "_storage_id", None) or (lambda t: t.untyped_storage()._cdata)
 _OPS: dict[Any, tuple[str, Any]] = {}  # op -> (readable name, what to call)
 
 
@@ -79,41 +82,48 @@ class CaptureWatch(TorchDispatchMode):
         # (eager, aot_eager, inductor, a graph break) watched the same with and without it: the watch opts out.
         return False
 
-    def __init__(self, invalidated: Callable[[], bool] | None) -> None:
+    def __init__(self, invalidated: Callable[[], bool] | None, known: dict[int, tuple] | None = None) -> None:
+        """``known``: shared by the watches of one capture set (storage key -> (its read, the storage)), so a
+        storage every graph reads (a weight) is looked at once a set: the first look (a weak reference, its
+        address and size) is most of what the watch adds to an op. Its entries hold their storages until the
+        set ends, so a key cannot come to name another storage meanwhile."""
         super().__init__()
         self._invalidated = invalidated  # () -> bool: has the backend's capture been invalidated? (None: unknown)
         self.born: set[int] = set()
         self.reads: dict[int, ReadStorage] = {}
         self.offender: str | None = None
         self._ops: dict[Any, tuple[str, Any, set[int]]] = {}  # op -> (name, call, storages judged for it)
+        self._known: dict[int, tuple] = {} if known is None else known
 
     def _entry(self, func: Any) -> tuple[str, Any, set[int]]:
         entry = self._ops[func] = (*(_OPS.get(func) or _op(func)), set())
         return entry
 
-    def _read(self, st: Any, key: int, name: str) -> None:
-        read = self.reads.get(key)
-        if read is None:
+    def _read(self, t: Any, key: int, name: str) -> None:
+        if key in self.reads:
+            return
+        known = self._known.get(key)
+        if known is None:
+            st = t.untyped_storage()
             nbytes = st.nbytes()
-            if nbytes:
-                self.reads[key] = ReadStorage(StorageWeakRef(st), st.data_ptr(), nbytes, [name])
-        else:
-            read.ops.append(name)
+            if not nbytes:
+                return
+            known = self._known[key] = (ReadStorage(StorageWeakRef(st), st.data_ptr(), nbytes, name), st)
+        self.reads[key] = known[0]
 
     def _read_all(self, items: Any, name: str, seen: set[int]) -> None:
         for t in items:
             if isinstance(t, _Tensor):
-                st = t.untyped_storage()
-                key = st._cdata
+                key = _storage_id(t)
                 if key not in self.born and key not in seen:
                     seen.add(key)
-                    self._read(st, key, name)
+                    self._read(t, key, name)
             elif isinstance(t, (list, tuple)):
                 self._read_all(t, name, seen)
 
     def _born(self, out: Any) -> None:
         if isinstance(out, _Tensor):
-            self.born.add(out.untyped_storage()._cdata)
+            self.born.add(_storage_id(out))
         elif isinstance(out, (list, tuple)):
             for t in out:
                 self._born(t)
@@ -123,11 +133,10 @@ class CaptureWatch(TorchDispatchMode):
         born = self.born
         for a in args:  # inlined: the common argument is a tensor
             if isinstance(a, _Tensor):
-                st = a.untyped_storage()
-                key = st._cdata
+                key = _storage_id(a)
                 if key not in born and key not in seen:
                     seen.add(key)
-                    self._read(st, key, name)
+                    self._read(a, key, name)
             elif isinstance(a, (list, tuple)):
                 self._read_all(a, name, seen)
         if kwargs:
@@ -139,7 +148,7 @@ class CaptureWatch(TorchDispatchMode):
                 self.offender = f"{name} at {user_frame()}"
             raise
         if isinstance(out, _Tensor):
-            born.add(out.untyped_storage()._cdata)
+            born.add(_storage_id(out))
         else:
             self._born(out)
         if self.offender is None and self._invalidated is not None and self._invalidated():
