@@ -2,9 +2,9 @@
 frozen or live, and whether the sanitizer is started for each round or once for the whole process (as
 `CUDAGRAPH_SANITIZE=1` and the plugin's workers run it, and as bench_runner's flush part measures it).
 
-    python scripts/probe_pinned_flush.py [--backend auto] [--rounds 60] [--json PATH]
+    python scripts/probe_pinned_flush.py [--backend auto] [--rounds 60] [--warmup-s 3] [--json PATH]
 
-The four cases run twice, the second time in the reverse order, so that a case's place in the process (the
+Plain captures run for --warmup-s seconds first. The four cases run twice, the second time in the reverse order, so that a case's place in the process (the
 first cases run in a fresh process; the bench's flush part runs after every other part) shows apart from
 what it measures. Each case: paired rounds of 8 one-op captures into one pool, each side first in turn, a
 collection before each side. Sides: plain; the sanitizer started for the round; one sanitizer started once
@@ -103,16 +103,36 @@ def case(be, pinned: int, frozen: bool, rounds: int) -> dict:
     return out
 
 
+def warm_up(be, seconds: float) -> int:
+    """Plain one-op captures for ``seconds`` before any case: a fresh process's first seconds (lazy inits, a
+    host core's clock coming up) would otherwise land in the first cases only."""
+    x = torch.ones(64, 256, device=be.torch_device(0))
+    stream, n, end = be.new_stream(), 0, time.perf_counter() + seconds
+    with be.stream(stream):
+        (x + 1).relu_()
+    be.synchronize()
+    while time.perf_counter() < end:
+        g = be.new_graph()
+        with be.graph(g, pool=be.graph_pool_handle(), stream=stream):
+            (x + 1).relu_()
+        g.reset()
+        n += 1
+    return n
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--rounds", type=int, default=60)
+    ap.add_argument("--warmup-s", type=float, default=3.0)
     ap.add_argument("--json")
     a = ap.parse_args()
     be = get_backend(a.backend)
+    warmed = warm_up(be, a.warmup_s)
     order = [(frozen, n) for n in (0, 8) for frozen in (True, False)]
     cases = [case(be, n, frozen, a.rounds) | {"place": i} for i, (frozen, n) in enumerate(order + order[::-1])]
-    res = {"backend": be.name, "torch": torch.__version__, "cases": cases}
+    res = {"backend": be.name, "torch": torch.__version__, "warm_up": {"seconds": a.warmup_s, "captures": warmed},
+           "cases": cases}
     if be.name == "cuda":
         res["gpu"] = torch.cuda.get_device_name(0)
     emit(res, a.json)
