@@ -54,10 +54,14 @@ def devices_for_worker(worker_index: int, n_workers: int, outer_visible: str | N
 
     One GPU per worker, taken from the outer ``CUDA_VISIBLE_DEVICES`` list when one is set (indexed, not
     replaced). With more workers than GPUs, workers share GPUs round-robin (worker i gets GPU i mod n):
-    every worker still has exactly one GPU. None when there is no GPU or a single worker.
+    every worker still has exactly one GPU. xdist names the worker that replaces a crashed one ``gw<k>``
+    with k >= n_workers: it takes slot k mod n_workers (xdist does not say which worker it replaces).
+    None when there is no GPU or a single worker.
     """
-    if n_workers < 1 or not 0 <= worker_index < n_workers:
-        raise ValueError(f"worker index {worker_index} is not within {n_workers} workers")
+    if n_workers < 1 or worker_index < 0:
+        raise ValueError(f"worker index {worker_index} of {n_workers} workers: expected n_workers >= 1 and "
+                         "index >= 0")
+    worker_index %= n_workers
     if outer_visible is not None and outer_visible.strip() != "":
         ids = [d.strip() for d in outer_visible.split(",") if d.strip()]
     else:

@@ -305,6 +305,8 @@ class _XdistReports:
         if found:
             reporting.add_session_findings(state, json.loads(found))
         worker = getattr(node, "workerinput", {}).get("workerid", "?")
+        if output.get(reporting.CAPTURE_PATH):
+            state.setdefault("capture_paths", set()).add(output[reporting.CAPTURE_PATH])
         for line in json.loads(output.get(HEADER, "[]")):
             state.setdefault("headers", {}).setdefault(line, []).append(worker)
 
@@ -351,6 +353,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         program = program_sanitizer_mode()
         if s.get("used") or program:
             config.workeroutput[HEADER] = json.dumps(_header_lines(config, program))
+        path = reporting.capture_path()
+        if path is not None:
+            config.workeroutput[reporting.CAPTURE_PATH] = path
         return
     reporting.add_session_findings(state, found)
     strict_by = "CUDAGRAPH_SANITIZE=strict" if _program_wide_strict() else \

@@ -27,6 +27,7 @@ STRICT_FAILURE = "cudagraph_strict_failure"  # user property: strict findings fa
 SHOWN_FINDINGS = "cudagraph_findings_in_error"  # user property: the findings a strict error showed whole (keys)
 SNAPSHOT = "cudagraph_snapshot"  # user property: a memory snapshot's path
 SESSION_FINDINGS = "cudagraph_session_findings"  # an xdist worker's output: its session-wide sanitizer's findings
+CAPTURE_PATH = "cudagraph_capture_path"  # an xdist worker's output: how it observed captures
 VERDICTS = ("fresh", "held", "leaked", "stale", "reused", "error")
 
 
@@ -61,11 +62,15 @@ def findings(state: dict, session: bool = True) -> list[tuple[str, dict]]:
 def record(state: dict, rep: pytest.TestReport) -> None:
     """Fold one phase's report (setup, call, teardown; here or from an xdist worker) into the test's entry."""
     entry = state["tests"].setdefault(rep.nodeid, {"nodeid": rep.nodeid, "outcome": "passed", "duration": 0.0,
-                                                   "cycles": []})
+                                                   "cycles": [], "sanitizer": []})
     entry["duration"] += rep.duration
     if rep.failed:  # a call that failed stays "failed" when its teardown errors too; every failing phase is kept
-        entry["outcome"] = "failed" if rep.when == "call" or entry["outcome"] == "failed" else "error"
-        entry.setdefault("failed_phases", []).append(rep.when)
+        # xdist reports a worker that died running the test with the phase "???": a failure, as pytest counts it
+        phase = "crash" if rep.when not in ("setup", "call", "teardown") else rep.when
+        entry["outcome"] = "error" if phase in ("setup", "teardown") and entry["outcome"] != "failed" else "failed"
+        entry.setdefault("failed_phases", []).append(phase)
+        if phase == "crash":
+            entry["crash"] = str(rep.longrepr).strip().splitlines()[0] if rep.longrepr else "the worker died"
     elif rep.skipped and entry["outcome"] == "passed":
         entry["outcome"] = "xfailed" if hasattr(rep, "wasxfail") else "skipped"
         reason = rep.wasxfail if hasattr(rep, "wasxfail") else \
@@ -143,11 +148,20 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def _capture_path() -> str | None:
+def capture_path() -> str | None:
     """How this process observes captures (compiled, or Python and why); None where the library was never
     used here (read only then: its import brings torch's)."""
     compiled = sys.modules.get("cudagraph_lifecycle.observe.compiled")
     return None if compiled is None else compiled.describe()
+
+
+def session_capture_path(state: dict) -> str | None:
+    """This process's, or (an xdist controller runs no test) what its workers said, each way once."""
+    here = capture_path()
+    if here is not None:
+        return here
+    paths = sorted(state.get("capture_paths") or ())
+    return "; ".join(paths) if paths else None
 
 
 def write(path: str, s: dict, state: dict, exitstatus: int) -> None:
@@ -161,7 +175,7 @@ def write(path: str, s: dict, state: dict, exitstatus: int) -> None:
             "start_method": s.get("start_method_effective"),
             "sanitize": s["sanitize"],
             "program_sanitize": program_sanitizer_mode(),  # CUDAGRAPH_SANITIZE's sanitizer, where installed
-            "capture_path": _capture_path(),
+            "capture_path": session_capture_path(state),
             # what the workers do: strict refuses whatever was set (set: as the user set it)
             "expandable_teardown": "refuse" if s["sanitize"] == "strict" else s["expandable_teardown"],
             "expandable_teardown_set": s["expandable_teardown"],

@@ -53,6 +53,15 @@ def _finish(backend: str) -> list[dict]:
     return finish_sequence(backend)
 
 
+
+def _user_sites(frames: list[str]) -> list[str]:
+    """The innermost frame of the user's code among ``file:line in function`` frames (innermost first): the
+    line a gate points at; the innermost frame where none is the user's."""
+    from cudagraph_lifecycle.ledger import is_user_file
+
+    user = [f for f in frames if is_user_file(f.rpartition(" in ")[0].rpartition(":")[0] or f)]
+    return (user or frames)[:1]
+
 class EngineSequence:
     """``engine_sequence(factory, n, output="hold")``: n engines one after another in one reused worker.
 
@@ -118,8 +127,9 @@ class EngineSequence:
         first = str(e).strip().splitlines()[0] if str(e).strip() else kind
         stale = "use_count > 0" in str(e) or "StalePoolError" in str(e)
         # the same fields as a cycle's problems (a gate reads them alike)
-        problems = [{"kind": "stale" if stale else "error", "message": f"{kind}: {first}", "bytes": 0, "stacks": [],
-                     "pins": [], "sites": []}]
+        frames = list(getattr(e, "frames", None) or [])  # where a crashed or hung worker was, innermost first
+        problems = [{"kind": "stale" if stale else "error", "message": f"{kind}: {first}", "bytes": 0,
+                     "stacks": ["\n".join(frames)] if frames else [], "pins": [], "sites": _user_sites(frames)}]
         for h in getattr(e, "hazards", []):  # what the sanitizer saw coming, written before the crash
             problems.append({"kind": "expandable_teardown", "bytes": h["live_bytes"], "stacks": [], "pins": [],
                              "sites": [h["reset_site"]] if h.get("reset_site") else [],

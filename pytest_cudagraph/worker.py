@@ -166,6 +166,7 @@ class WorkerError(Exception):
     """Base of the worker's reports."""
 
     pid: int | None = None  # the child's, where it crashed or hung
+    frames: list[str] = []  # its innermost frames there, "file:line in function", where it dumped them
 
 
 # ``__tracebackhide__`` of the calls that raise them: pytest leaves out those frames for these errors only (a
@@ -584,9 +585,21 @@ def crash_frames(stderr: str, limit: int = 10) -> list[str]:
     fatal = [i for i, ln in enumerate(lines) if ln.startswith("Fatal Python error")]
     if not fatal:
         return []  # no dump of a crash (SIGKILL, os._exit): nothing to quote
+    return _dumped_frames(lines, fatal[-1], limit)
+
+
+def hang_frames(stderr: str, limit: int = 10) -> list[str]:
+    """The innermost ``limit`` frames of the last stack dump in ``stderr`` (a hung worker's, asked for with
+    SIGUSR1), as :func:`crash_frames` gives them."""
+    lines = stderr.splitlines()
+    dumps = [i for i, ln in enumerate(lines) if ln.startswith(("Current thread", "Stack ("))]
+    return _dumped_frames(lines, dumps[-1], limit) if dumps else []
+
+
+def _dumped_frames(lines: list[str], start: int, limit: int) -> list[str]:
     # the crashing thread is the dump's "Current thread" (the others print as "Thread 0x..."); "Stack" when
     # faulthandler dumps one thread only
-    heads = (i for i in range(fatal[-1], len(lines)) if lines[i].startswith(("Current thread", "Stack (")))
+    heads = (i for i in range(start, len(lines)) if lines[i].startswith(("Current thread", "Stack (")))
     head = next(heads, None)
     frames = []
     for ln in lines[head + 1:] if head is not None else []:
@@ -876,6 +889,7 @@ class ReusedWorker:
             msg += f"\n--- last lines of the worker's stderr ---\n{tail.rstrip()}"
         err = WorkerCrashed(msg, code, tail, hazards)
         err.pid = proc.pid  # the child is gone: its record still names it
+        err.frames = [f.strip() for f in frames]
         return err
 
     def _timeout_report(self, proc, during: str, limit: float) -> WorkerTimeout:
@@ -885,6 +899,7 @@ class ReusedWorker:
         except ProcessLookupError:
             pass
         tail = _without_pytest_frames(self.stderr_tail(60))
+        frames = [f.strip() for f in hang_frames(self._read_stderr())]
         err = WorkerTimeout(
             f"worker {self.name} (pid {proc.pid}) ran past the timeout of {limit:g}s"
             + (f" ({self.timeout_from})" if self.timeout_from and limit == self.timeout else "")
@@ -892,6 +907,7 @@ class ReusedWorker:
             + (f"\n--- last lines of the worker's stderr ---\n{tail.rstrip()}" if tail.strip() else "")
         )
         err.pid = proc.pid  # the child is gone: its record still names it
+        err.frames = frames
         return err
 
     @staticmethod

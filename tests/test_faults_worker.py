@@ -123,11 +123,12 @@ class Row:
     replaced: bool
     start_method: str = "fork"
     timeout: float = 30
+    frame: str | None = None  # among the innermost frames the error carries (a crash's or a hang's dump)
 
 
 ROWS = [
     Row("sigsegv", "the callable segfaults in C (ctypes.string_at(0))", lambda w: w.call(segv_here),
-        WorkerCrashed, ("killed by signal SIGSEGV", "innermost frames", SEGV_AT), replaced=True),
+        WorkerCrashed, ("killed by signal SIGSEGV", "innermost frames", SEGV_AT), replaced=True, frame=SEGV_AT),
     Row("sigkill-mid-call", "the test SIGKILLs the child during a call", signal_mid_call(signal.SIGKILL),
         WorkerCrashed, ("killed by signal SIGKILL", "during call 3 (nap)"), replaced=True),
     Row("sigterm-mid-call", "the test SIGTERMs the child during a call", signal_mid_call(signal.SIGTERM),
@@ -138,7 +139,7 @@ ROWS = [
         WorkerCrashed, ("killed by signal SIGABRT", "Fatal Python error: Aborted"), replaced=True),
     Row("hang-past-timeout", "the callable sleeps 30 s under a 1 s timeout", lambda w: w.call(nap, 30),
         WorkerTimeout, ("past the timeout of 1s", "in nap", "frames of pytest left out"), replaced=True,
-        timeout=1),
+        timeout=1, frame=" in nap"),
     Row("ctrl-c-mid-call", "Ctrl-C (SIGINT) reaches pytest during a call", ctrl_c_mid_call,
         KeyboardInterrupt, (), replaced=True),
     Row("memory-error", "the callable raises MemoryError", lambda w: w.call(out_of_memory),
@@ -165,6 +166,8 @@ def test_fault(row: Row):
             row.act(w)
         for word in row.words:
             assert word in str(e.value), f"{row.does}: {word!r} not in the report:\n{e.value}"
+        if row.frame is not None:
+            assert any(row.frame in f for f in e.value.frames), f"{row.does}: frames {e.value.frames}"
         n2, pid2 = w.call(bump)
         if row.replaced:
             assert (n2, w.restarts) == (1, 1) and pid2 != pid and gone(pid), f"{row.does}: not replaced"

@@ -940,6 +940,17 @@ def test_a_stale_pool_error_in_a_cycle_names_the_callers_held_output(cudagraph_w
     assert [s.splitlines()[0] for s in p["stacks"]] == [
         "--- the capture began at ---", "--- pool minted at ---", "--- its last graph was released at ---"], p
     assert "test_findings.py" in p["stacks"][0], p
+    # the lines a gate annotates: the capture into the dead pool, and where its kept id was minted
+    assert [x.rsplit(" in ", 1)[1] for x in p["sites"]] == ["capture", "capture"], p["sites"]
+    assert [int(x.rsplit(" in ", 1)[0].rsplit(":", 1)[1]) for x in p["sites"]] == [
+        _line_of(KeptHandleEngine.capture, "g.capture_begin("), _line_of(KeptHandleEngine.capture, "be.graph_pool_handle()")]
+
+
+def _line_of(fn, text: str) -> int:
+    import inspect
+
+    lines, first = inspect.getsourcelines(fn)
+    return first + next(i for i, ln in enumerate(lines) if text in ln)
 
 
 @pytest.mark.parametrize("sanitized", [True, False])
@@ -957,6 +968,7 @@ def test_a_stale_capture_the_engine_caught_is_still_stale(cudagraph_worker, sani
         "which the caller holds"
     assert (pinned in p["message"]) is sanitized, p["message"]
     assert len(p["stacks"]) == 3 and "test_findings.py" in p["stacks"][0], p
+    assert len(p["sites"]) == 2 and p["sites"][1].endswith("in capture"), p  # the capture; the id's mint
     if sanitized:  # as data too; the poisoned process is asked nothing more
         assert [(x["cause"], x["bytes"]) for x in p["pins"]] == [("python_reference", 512)], p
         assert p["bytes"] == 2 << 20, p

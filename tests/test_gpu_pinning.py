@@ -22,6 +22,14 @@ def test_no_gpu_or_single_worker_changes_nothing():
     assert devices_for_worker(0, 1, None, 4) is None
 
 
+def test_a_worker_replacing_a_crashed_one_takes_a_slot_of_the_workers():
+    """xdist numbers replacements on (gw2, gw3, ... with -n 2)."""
+    assert [devices_for_worker(i, 2, None, 2) for i in (2, 3, 4)] == ["0", "1", "0"]
+    assert devices_for_worker(5, 3, "4,6", 8) == "4"  # slot 2 of 3 workers, round-robin over two GPUs
+
+
 def test_bad_worker_index():
-    with pytest.raises(ValueError, match="not within"):
-        devices_for_worker(2, 2, None, 2)
+    with pytest.raises(ValueError, match="index >= 0"):
+        devices_for_worker(-1, 2, None, 2)
+    with pytest.raises(ValueError, match="n_workers >= 1"):
+        devices_for_worker(0, 0, None, 2)

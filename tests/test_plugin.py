@@ -146,9 +146,25 @@ def test_crash_inside_engine_sequence_is_reported(pytester):
                               "*WorkerCrashed*"])
     (problem,) = json.loads(report.read_text())["tests"][0]["cycles"][0]["problems"]
     assert set(problem) == {"kind", "message", "bytes", "stacks", "pins", "sites"}, problem  # as a cycle's
+    # where the worker crashed, from its faulthandler dump: the engine's line for a gate, the frames as a stack
+    line = ENGINES.strip().splitlines().index("    e.capture = lambda: os.abort()") + 1
+    assert [s.rsplit("/", 1)[-1] for s in problem["sites"]] == [f"engines_mod.py:{line} in <lambda>"], problem
+    assert f"engines_mod.py:{line} in <lambda>" in problem["stacks"][0], problem
     # the table's row names the child that crashed (gone by then), as the message does
     pid = res.stdout.str().split("(pid ", 1)[1].split(")", 1)[0]
     assert any(line.split()[2:3] == [pid] and "error FAILED" in line for line in res.stdout.lines), res.stdout.str()
+
+
+def test_a_crash_points_at_the_users_innermost_frame_not_the_standard_librarys():
+    import ctypes
+
+    from pytest_cudagraph.sequence import _user_sites
+
+    frames = [f"{ctypes.__file__}:519 in string_at", "/srv/engine/model.py:54 in forward",
+              "/srv/engine/runner.py:9 in capture"]
+    assert _user_sites(frames) == ["/srv/engine/model.py:54 in forward"]
+    assert _user_sites(frames[:1]) == frames[:1]  # none is the user's: the innermost
+    assert _user_sites([]) == []
 
 
 def test_timeout(pytester):
@@ -410,6 +426,35 @@ def test_xdist_two_workers(pytester):
     data = json.loads(report.read_text())
     assert data["totals"]["cycles"] == 8
     assert (data["meta"]["effective_backend"], data["meta"]["gpus"]) == ("sim", 0)  # the controller ran no test
+    from cudagraph_lifecycle.observe import compiled
+
+    assert data["meta"]["capture_path"] == compiled.describe()  # the workers said it: the controller imports nothing
+
+
+def test_a_crashed_xdist_worker_is_replaced_and_the_session_runs_on(pytester):
+    """xdist names the replacement gw2 with -n 2: the plugin gives it a device slot too, so the other tests run
+    and the crash is one failure (the backend left at auto, where the plugin pins devices)."""
+    pytest.importorskip("xdist")
+    pytester.makepyfile(test_a="""
+        import os
+        import pytest
+        def test_dies():
+            os._exit(7)
+        @pytest.mark.parametrize("i", range(12))
+        def test_plain(i):
+            pass
+    """)
+    report = pytester.path / "r.json"
+    res = run(pytester, "-n", "2", f"--cudagraph-report={report}")
+    assert "INTERNALERROR" not in res.stdout.str() + res.stderr.str()
+    res.assert_outcomes(passed=12, failed=1)
+    assert res.ret == pytest.ExitCode.TESTS_FAILED
+    data = json.loads(report.read_text())
+    assert len(data["tests"]) == 13 and data["totals"]["outcomes"]["failed"] == 1  # as the terminal counts it
+    dies = next(t for t in data["tests"] if t["nodeid"].endswith("test_dies"))
+    assert (dies["outcome"], dies["failed_phases"]) == ("failed", ["crash"]), dies
+    assert "crashed while running" in dies["crash"], dies
+    assert all(t["sanitizer"] == [] for t in data["tests"])  # the key is always there
 
 
 def test_no_worker_left_after_session(pytester):

@@ -216,7 +216,8 @@ def failed(e: BaseException, rec: CycleRecord, be: Backend, since: int, step: st
         # minted and released): a gate reads the fields, not the message
         rec.add("stale", msg, getattr(stale, "held_bytes", 0),
                 getattr(stale, "stacks", None) or (a.stacks() if a is not None else []),
-                getattr(stale, "pins", None), sites=[a.site if a is not None else getattr(stale, "site", "")])
+                getattr(stale, "pins", None),
+                sites=[a.site, _minted_site(a.key)] if a is not None else [getattr(stale, "site", "")])
         return
     hint = ""
     if be.name == "sim" and any(m in str(e) for m in NO_CUDA_MARKERS):
@@ -305,7 +306,8 @@ def caught_stale(rec: CycleRecord, be: Backend, since: int) -> None:
     rec.add("stale", f"a capture into stale pool {a.key[2]} on device {a.key[1]} at {a.site or '(unknown)'}, whose "
                      f"error the engine caught (it went on without its graphs): {what}."
                      f"{f' The pool was made by {a.owner}.' if a.owner else ''} {stale_fix(a.owner, a.scope)}.\n"
-                     + "".join(a.stacks()), held, a.stacks(), [p.as_dict() for p in pins], sites=[a.site])
+                     + "".join(a.stacks()), held, a.stacks(), [p.as_dict() for p in pins],
+            sites=[a.site, _minted_site(a.key)])
 
 
 def check_held(be: Backend, caller: Caller, current: set[Key]) -> CycleRecord | None:
