@@ -238,12 +238,15 @@ def resolve_start_method(method: str) -> tuple[str, str]:
 
 
 def _set_parent_death_signal(parent_pid: int | None) -> None:
-    # Linux: the worker dies with the pytest process, even on SIGKILL of the parent.
+    # Linux: the worker dies with the pytest process, even on SIGKILL of the parent. And it adopts its
+    # orphaned descendants (a double-forked daemon that never execs carries no tag and leaves the worker's
+    # session): re-parented to the worker, not to init, they stay among the descendants its end kills.
     try:
         import ctypes
 
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
     except Exception:
         return
     if parent_pid is not None and os.getppid() != parent_pid:

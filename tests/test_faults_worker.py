@@ -179,3 +179,35 @@ def test_fault(row: Row):
     for p in sleepers:
         assert gone(p), f"a grandchild `sleep 60` (pid {p}) outlived close()"
     assert gone(pid2), f"the worker (pid {pid2}) outlived close()"
+
+
+def start_double_forked_daemon() -> int:
+    """A daemon as a server's engine might start one: fork, setsid, fork again, the middle process exits; it
+    never execs, so it carries no tag and has left the worker's session."""
+    r, w = os.pipe()
+    middle = os.fork()
+    if middle == 0:
+        os.setsid()
+        if os.fork() == 0:
+            os.write(w, str(os.getpid()).encode())
+            while True:
+                time.sleep(1)
+        os._exit(0)
+    os.close(w)
+    pid = int(os.read(r, 32))
+    os.close(r)
+    os.waitpid(middle, 0)
+    return pid
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_a_double_forked_daemon_that_never_execs_ends_with_its_worker(start_method):
+    w = ReusedWorker(start_method=start_method, name="daemon")
+    try:
+        daemon = w.call(start_double_forked_daemon)
+        worker = w.call(os.getpid)
+        with open(f"/proc/{daemon}/stat") as f:  # re-parented to its worker, not to init
+            assert int(f.read().rsplit(")", 1)[1].split()[1]) == worker
+    finally:
+        w.close()
+    assert gone(daemon), f"the daemon (pid {daemon}) outlived its worker's close()"
