@@ -130,6 +130,7 @@ def pytest_configure(config: pytest.Config) -> None:
     for line in settings.unknown_variables(os.environ):
         config.issue_config_time_warning(pytest.PytestConfigWarning(line), stacklevel=2)
     config.stash[STATE_KEY] = reporting.new_state()
+    config.stash[STATE_KEY]["rootdir"] = str(config.rootpath)  # the report's paths are absolute: a gate strips it
     workerinput = getattr(config, "workerinput", None)
     if s["report"]:
         s["report"] = _check_report_path(s, probe=workerinput is None)  # (only the controller writes it)

@@ -27,6 +27,8 @@ STRICT_FAILURE = "cudagraph_strict_failure"  # user property: strict findings fa
 SHOWN_FINDINGS = "cudagraph_findings_in_error"  # user property: the findings a strict error showed whole (keys)
 SNAPSHOT = "cudagraph_snapshot"  # user property: a memory snapshot's path
 SESSION_FINDINGS = "cudagraph_session_findings"  # an xdist worker's output: its session-wide sanitizer's findings
+# goes up when a field of the JSON report changes its meaning or goes away (new fields leave it)
+REPORT_FORMAT = 1
 CAPTURE_PATH = "cudagraph_capture_path"  # an xdist worker's output: how it observed captures
 VERDICTS = ("fresh", "held", "leaked", "stale", "reused", "error")
 
@@ -167,7 +169,9 @@ def session_capture_path(state: dict) -> str | None:
 def write(path: str, s: dict, state: dict, exitstatus: int) -> None:
     report = {
         "meta": {
+            "report_format": REPORT_FORMAT,
             "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "rootdir": state.get("rootdir"),
             "torch": _version("torch"),
             "backend": s["backend"],
             "effective_backend": s.get("effective_backend"),

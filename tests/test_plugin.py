@@ -147,6 +147,9 @@ def test_crash_inside_engine_sequence_is_reported(pytester):
     (problem,) = json.loads(report.read_text())["tests"][0]["cycles"][0]["problems"]
     assert set(problem) == {"kind", "message", "bytes", "stacks", "pins", "sites"}, problem  # as a cycle's
     # where the worker crashed, from its faulthandler dump: the engine's line for a gate, the frames as a stack
+    meta = json.loads(report.read_text())["meta"]
+    assert meta["report_format"] == 1 and meta["rootdir"] == str(pytester.path), meta
+    assert os.path.relpath(problem["sites"][0].split(":")[0], meta["rootdir"]) == "engines_mod.py", problem
     line = ENGINES.strip().splitlines().index("    e.capture = lambda: os.abort()") + 1
     assert [s.rsplit("/", 1)[-1] for s in problem["sites"]] == [f"engines_mod.py:{line} in <lambda>"], problem
     assert f"engines_mod.py:{line} in <lambda>" in problem["stacks"][0], problem
@@ -429,6 +432,7 @@ def test_xdist_two_workers(pytester):
     from cudagraph_lifecycle.observe import compiled
 
     assert data["meta"]["capture_path"] == compiled.describe()  # the workers said it: the controller imports nothing
+    assert data["meta"]["rootdir"] == str(pytester.path)
 
 
 def test_a_crashed_xdist_worker_is_replaced_and_the_session_runs_on(pytester):
