@@ -888,8 +888,9 @@ class ReusedWorker:
         causes = [ln for ln in self.key_lines() if ln not in tail]
         if causes:
             msg += "\n--- cause lines from the worker's stderr ---\n" + "\n".join(causes)
-        if tail.strip():
-            msg += f"\n--- last lines of the worker's stderr ---\n{tail.rstrip()}"
+        shown = _without_pytest_frames(tail)  # a forked worker's dump holds the session it was forked from
+        if shown.strip():
+            msg += f"\n--- last lines of the worker's stderr ---\n{shown.rstrip()}"
         err = WorkerCrashed(msg, code, tail, hazards)
         err.pid = proc.pid  # the child is gone: its record still names it
         err.frames = [f.strip() for f in frames]

@@ -128,7 +128,8 @@ class Row:
 
 ROWS = [
     Row("sigsegv", "the callable segfaults in C (ctypes.string_at(0))", lambda w: w.call(segv_here),
-        WorkerCrashed, ("killed by signal SIGSEGV", "innermost frames", SEGV_AT), replaced=True, frame=SEGV_AT),
+        WorkerCrashed, ("killed by signal SIGSEGV", "innermost frames", SEGV_AT, "frames of pytest left out"),
+        replaced=True, frame=SEGV_AT),
     Row("sigkill-mid-call", "the test SIGKILLs the child during a call", signal_mid_call(signal.SIGKILL),
         WorkerCrashed, ("killed by signal SIGKILL", "during call 3 (nap)"), replaced=True),
     Row("sigterm-mid-call", "the test SIGTERMs the child during a call", signal_mid_call(signal.SIGTERM),
