@@ -880,6 +880,28 @@ class KeptHandleEngine:
         self.g = self.y = None
 
 
+class LazyKeptHandleEngine:
+    """Captures at its first run (no capture step, as engines that graph each batch size at first use), into
+    a pool id kept on the class across engines."""
+
+    def __init__(self, be):
+        self.inner = KeptHandleEngine(be)
+
+    def run(self, x):
+        if self.inner.g is None:
+            self.inner.capture()
+        return self.inner.run(x)
+
+    def eager(self, x):
+        return self.inner.eager(x)
+
+    def example_input(self):
+        return self.inner.example_input()
+
+    def release(self):
+        self.inner.release()
+
+
 class KeptHandleCatching(KeptHandleEngine):
     """Runs eagerly when its capture fails (it catches the error), as servers do: a kept handle's stale
     capture never reaches the cycle."""
@@ -924,6 +946,19 @@ def test_a_stale_capture_the_engine_wrapped_in_its_own_error_is_stale(cudagraph_
     assert p["message"].startswith("StalePoolError: " if sanitized else "the allocator asserted during capture")
     if not sanitized:  # torch's words without its plea to report a bug, and the fix
         assert "please report a bug" not in p["message"] and "Mint a fresh pool per engine" in p["message"], p
+
+
+@pytest.mark.parametrize("sanitized", [True, False])
+def test_a_lazy_engine_captures_while_the_caller_still_holds_the_previous_output(cudagraph_worker, sanitized):
+    """The caller holds the previous output until this engine has captured, and a lazy engine captures at its
+    first run: the kept id's pool is still pinned then, so the second engine is stale, not latent reuse."""
+    recs = cudagraph_worker.call(_kept_handle_cycles, LazyKeptHandleEngine, sanitized)
+    # (the previous engine judged again once dropped; a poisoned process judges nothing more)
+    judged = [(0, "held"), (0, "held"), (1, "stale")] if sanitized else [(0, "held"), (1, "stale")]
+    assert [(r["index"], r["verdict"]) for r in recs] == judged, recs
+    assert recs[-1]["poisoned"] is not sanitized and recs[-1]["failed"], recs[-1]
+    if sanitized:
+        assert "held as the previous engine's output" in recs[-1]["problems"][0]["message"], recs[-1]
 
 
 def test_a_stale_pool_error_in_a_cycle_names_the_callers_held_output(cudagraph_worker):

@@ -54,6 +54,12 @@ def _forget_observing() -> None:
 os.register_at_fork(after_in_child=_forget_observing)
 
 
+def _judge_held(be: Backend, caller: Any, label: str, done: list) -> None:
+    previous = check_held(be, caller, set(ledger.pools_of_scope(be.world, label)))
+    if previous is not None:
+        done.append(previous)
+
+
 def run_cycle(
     factory: Callable[[Backend], Any],
     backend: str | Backend = "auto",
@@ -72,7 +78,8 @@ def run_cycle(
     """Build one engine with ``factory(backend)``, exercise it, release it, and judge its graph pools.
 
     ``output="hold"`` plays a caller that keeps the engine's last output (a view into its pool) until the
-    next engine has captured: the hazard that turns a kept pool id into the allocator's assert. ``"drop"``
+    next engine has captured (after its ``capture()``, or after its runs where it captures lazily, at its first
+    run): the hazard that turns a kept pool id into the allocator's assert. ``"drop"``
     plays a caller that copies the output out and drops the view. Returns the records this call completed,
     as dicts: the previous engine's (hold: judged now that its output was dropped) and this one's.
 
@@ -109,9 +116,11 @@ def run_cycle(
         failed_capture(rec, be, since)
         if rec.poisoned:  # nothing more can run on this allocator: the worker is replaced
             return [r.as_dict() for r in done] + [rec.as_dict()]
-        previous = check_held(be, caller, set(ledger.pools_of_scope(be.world, label)))
-        if previous is not None:
-            done.append(previous)
+        # The caller holds the previous output until this engine has captured: after capture(), or for an
+        # engine that captures at its first run (lazily, per batch size), after its runs.
+        lazy = engine is not None and not rec.failed and not ledger.captures_in(label)
+        if not lazy:
+            _judge_held(be, caller, label, done)
         if engine is not None and not rec.failed:
             try:
                 y = exercise(engine, rec, atol, reload)
@@ -123,6 +132,8 @@ def run_cycle(
             refused_on_default_stream(rec, be, since)
             caught_stale(rec, be, since)
             failed_capture(rec, be, since)
+            if lazy and not rec.poisoned:
+                _judge_held(be, caller, label, done)
             rec.pool_bytes = sum(be.pool_state(k[2], k[1]).reserved_bytes
                                  for k in ledger.pools_of_scope(be.world, label))
         if engine is not None and not rec.poisoned:
