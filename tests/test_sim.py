@@ -156,3 +156,20 @@ def test_bad_device_count(bad):
 def test_bad_device_index():
     with pytest.raises(ConfigError, match="device index 5"):
         SimBackend(devices=2).new_stream(5)
+
+
+def test_wait_stream_orders_nothing_outside_a_capture_and_refuses_a_fork_inside_one():
+    """Engines warm up on a side stream after wait_stream (fine: host order); a capture that forks onto another
+    stream and joins back cannot be simulated, so it is refused with the way out, not an AttributeError."""
+    be = SimBackend()
+    side, capture = be.new_stream(), be.capture_stream()
+    side.wait_stream(be._current_stream)  # (the default stream here)
+    g = be.new_graph()
+    with be.stream(capture):
+        g.capture_begin()
+        with pytest.raises(RuntimeError, match=r"forks onto another stream .* run this engine on cuda"):
+            side.wait_stream(capture)
+        capture.wait_stream(capture)  # a stream waiting on itself forks nothing
+        g.capture_end()
+    side.wait_stream(capture)
+    g.reset()

@@ -170,10 +170,21 @@ class SimStream:
 
     _ids = itertools.count(1)
 
-    def __init__(self, device: int, default: bool = False):
+    def __init__(self, device: int, default: bool = False, backend: SimBackend | None = None):
         self.device = device
         self.default = default
         self.id = 0 if default else next(self._ids)
+        self._backend = weakref.ref(backend) if backend is not None else None  # no cycle with its backend
+
+    def wait_stream(self, other: SimStream) -> None:
+        """Outside a capture simulated ops run in order on the host: nothing to wait for. A capture that forks
+        onto another stream and joins back (fork/join) is not simulated: refused with the way out."""
+        be = self._backend() if self._backend is not None else None
+        graph = be._capturing if be is not None else None
+        if graph is not None and graph._stream in (self.id, other.id) and self.id != other.id:
+            raise RuntimeError("a capture that forks onto another stream (wait_stream inside the capture) cannot "
+                               "be simulated: the sim backend captures on one stream; run this engine on cuda "
+                               "(mark its test gpu)")
 
     def __repr__(self) -> str:
         return f"SimStream(device={self.device}, id={self.id})"
@@ -432,7 +443,7 @@ class SimBackend(Backend):
         self._routing_open: set[tuple[int, PoolId]] = set()  # captures the allocator still believes underway
         self._user_ids = itertools.count(1)  # graph_pool_handle() and MemPool: (0, n)
         self._graph_ids = itertools.count(1)  # a capture with no pool: (n, 0)
-        self._default_streams = [SimStream(d, default=True) for d in range(devices)]
+        self._default_streams = [SimStream(d, default=True, backend=self) for d in range(devices)]
         self._streams = threading.local()  # as CUDA's, the current stream is each thread's own
         self._capturing: SimGraph | None = None
         self.poisoned: str | None = None
@@ -611,7 +622,7 @@ class SimBackend(Backend):
 
     def new_stream(self, device: int = 0) -> SimStream:
         self.check_device(device)
-        return SimStream(device)
+        return SimStream(device, backend=self)
 
     @contextlib.contextmanager
     def stream(self, stream: SimStream):

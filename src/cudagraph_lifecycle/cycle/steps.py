@@ -277,7 +277,8 @@ def failed_capture(rec: CycleRecord, be: Backend, since: int, raised: str | None
                      "CUDA RNG's capture open (eager random ops fail until a later capture ends): the worker is "
                      "replaced. Move what broke the capture out of the captured code: a host sync (.item(), "
                      ".cpu(), .tolist(), a print of a tensor, a branch on a tensor's value) or an op that cannot "
-                     "be captured." + (f"\n--- the capture began at ---\n{f.at}" if f.at else ""),
+                     "be captured; where no line of the captured code did it, another thread may have: a "
+                     "synchronize or empty_cache while this capture ran (entering torch.cuda.graph does both)." + (f"\n--- the capture began at ---\n{f.at}" if f.at else ""),
             sites=[f.site, f.broken_at.split(": ", 1)[0]])
 
 
