@@ -53,7 +53,6 @@ def _finish(backend: str) -> list[dict]:
     return finish_sequence(backend)
 
 
-
 def _user_sites(frames: list[str]) -> list[str]:
     """The innermost frame of the user's code among ``file:line in function`` frames (innermost first): the
     line a gate points at; the innermost frame where none is the user's."""
@@ -61,6 +60,7 @@ def _user_sites(frames: list[str]) -> list[str]:
 
     user = [f for f in frames if is_user_file(f.rpartition(" in ")[0].rpartition(":")[0] or f)]
     return (user or frames)[:1]
+
 
 class EngineSequence:
     """``engine_sequence(factory, n, output="hold")``: n engines one after another in one reused worker.

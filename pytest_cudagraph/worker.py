@@ -166,7 +166,7 @@ class WorkerError(Exception):
     """Base of the worker's reports."""
 
     pid: int | None = None  # the child's, where it crashed or hung
-    frames: list[str] = []  # its innermost frames there, "file:line in function", where it dumped them
+    frames: tuple[str, ...] | list[str] = ()  # its innermost frames there ("file:line in function"), if dumped
 
 
 # ``__tracebackhide__`` of the calls that raise them: pytest leaves out those frames for these errors only (a
