@@ -85,7 +85,7 @@ def test_bash_block_runs(body, tmp_path):
     for command in _commands(body):
         if command.split()[0] in INSTALLERS or _packages(command):
             assert _packages(command) <= ci_packages, f"{command!r}: CI does not install this"
-        elif command.startswith("pytest") and command.split()[3:4] == ["tests"]:
+        elif command.startswith("pytest") and "tests" in command.split():  # the suite itself
             assert ci_test.endswith(command), f"{command!r} is not the test command CI runs ({ci_test!r})"
         else:
             run.append(command)
