@@ -76,8 +76,11 @@ def lifecycle_section(tr: Any, state: dict, backend: str | None) -> None:
                   f"{'pool':>7} {'held':>7} {'leaked':>7} {'growth':>7} verdict")
     cold = False
     names, legend = table_names([nodeid for nodeid, _ in cycles], 44)
+    # pool ids repeat across devices: where a table's pools sit on more than one, each id names its device
+    devices = {p[0] for _, c in cycles for p in c.get("pool_ids") or []}
+    on = (lambda d: f"@{d}") if len(devices) > 1 else (lambda d: "")
     for nodeid, c in cycles:
-        pools = ",".join(f"{p[1][0]}:{p[1][1]}" for p in c.get("pool_ids") or []) or "-"
+        pools = ",".join(f"{p[1][0]}:{p[1][1]}{on(p[0])}" for p in c.get("pool_ids") or []) or "-"
         name = names[nodeid]
         verdict = c.get("verdict", "?") + (" FAILED" if c.get("failed") else "")
         ms = f"{c.get('capture_ms', 0.0):.1f}" + ("*" if c.get("cold") else " ")  # the digits stay aligned
@@ -102,6 +105,8 @@ def lifecycle_section(tr: Any, state: dict, backend: str | None) -> None:
         tr.write_line("tests whose cut ids read alike: " + legend[0])
         for line in legend[1:]:
             tr.write_line(f"{'':<32}{line}")
+    if len(devices) > 1:
+        tr.write_line("pools: a pool id and, after @, the device it is on")
     if cold:
         tr.write_line("* the first capture in its worker process: it includes that process's first use of torch "
                       "(kernels, allocator segments, lazy imports); compare the engines after it")

@@ -646,6 +646,14 @@ def test_tests_whose_cut_names_read_alike_are_numbered_with_a_legend():
     text = "\n".join(tr.lines)
     assert f"tests whose cut ids read alike: [1] {ids[0]}" in text and f"[2] {ids[1]}" in text, text
     assert a in text and b in text, text
+    assert "@" not in text, text  # one device (here none): ids alone
+
+    one = dict(cycle, pool_ids=[[0, [1, 3]], [1, [1, 3]]])  # tensor parallel in one process: the same id twice
+    tr = Terminal()
+    tr.lines = []
+    lifecycle_section(tr, {"tests": {"t.py::test_tp": {"nodeid": "t.py::test_tp", "outcome": "passed", "cycles": [one]}}}, "cuda")
+    text = "\n".join(tr.lines)
+    assert "1:3@0,1:3@1" in text and "after @, the device" in text, text
 
 
 def test_the_report_keeps_a_failed_call_whose_teardown_errors_too(pytester):

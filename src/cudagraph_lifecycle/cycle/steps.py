@@ -384,9 +384,11 @@ def judge(be: Backend, rec: CycleRecord, output: Any, hold: bool, declared: list
         sites = graph_sites(not_reset)
         rec.add("graphs_not_reset",
                 f"{len(not_reset)} graph(s) captured by this engine"
-                + (f" (at {', '.join(sites)})" if sites else "") + " were never reset: "
+                + (f" (at {', '.join(sites)})" if sites else "") + " were still not reset when release() and the "
+                "settle had ended: "
                 + (f"one is held as {held_by}; reset them in release() or drop that reference" if held_by else
-                   "something still holds them after release (a module global, a cache of graphs)"),
+                   "something still holds them after release (a module global, a cache of graphs, or a reset "
+                   "left to a thread or a callback, which the next engine's captures need not wait for)"),
                 0, [str(not_reset[0].captured_at)], sites=sites)
     elif released_left:  # still captured right after release(), gone since (collected with the engine)
         sites = graph_sites(released_left)
