@@ -121,12 +121,16 @@ class CaptureWatch(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name, call = _OPS.get(func) or _op(func)
-        born, reads = self.born, self.reads
-        for a in args:  # inlined: the common argument is a tensor
+        born, reads, known = self.born, self.reads, self._known
+        for a in args:  # inlined: the common argument is a tensor, read by an earlier graph of the set
             if isinstance(a, _Tensor):
                 key = _storage_id(a)
                 if key not in born and key not in reads:
-                    self._read(a, key, name)
+                    seen = known.get(key)
+                    if seen is None:
+                        self._read(a, key, name)
+                    else:
+                        reads[key] = seen[0]
             elif isinstance(a, (list, tuple)):
                 self._read_all(a, name)
         if kwargs:
