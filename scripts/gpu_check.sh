@@ -90,6 +90,8 @@ if [ -f .ptests/test_pytorch_graphs.py ]; then
 fi
 step "peer-style engine matrix (14 styles x hold/drop x sanitizer on/off; plain PyTorch's truth)" \
   $PT tests/test_peer_matrix.py -n 8 --cudagraph-report="$R/peer-matrix.json" -q
+step "piecewise engines (vLLM v1 style: pieces of every batch size in one pool)" \
+  $PT tests/test_piecewise_engines.py --cudagraph-backend=cuda -n 4 -q --cudagraph-report="$R/piecewise.json"
 step "soak: 200 engines in one reused worker" python3 bench/bench_soak.py --backend cuda --engines 200 \
   --json "$R/bench-soak.json"
 step "examples, fork path (pytest process without CUDA)" $PT examples/ --cudagraph-report="$R/examples-fork.json"
