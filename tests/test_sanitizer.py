@@ -57,7 +57,9 @@ def test_sanitizer_catches_stale_pool_before_the_allocator(sim):
     assert be.poisoned is None and san.stale_caught == 1  # the allocator never saw it
     # the line that tried, in the first line of the error and as a stack of its own
     assert e.value.site.endswith("in test_sanitizer_catches_stale_pool_before_the_allocator")
-    assert f"at {e.value.site}:" in msg.splitlines()[0] and "--- the capture began at ---" in msg
+    first = msg.splitlines()[0]  # the line a table shows: where it captured, and where the kept id was minted
+    assert f"at {e.value.site} (its id minted at " in first and "in mint_here):" in first, first
+    assert "--- the capture began at ---" in msg
     assert c.step(be.new_graph(), be.graph_pool_handle()).numel() > 0  # the process goes on
 
 

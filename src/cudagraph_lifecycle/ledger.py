@@ -461,6 +461,7 @@ class StaleAttempt:
     at: str = ""  # the capture's stack, as shown
     site: str = ""  # file:line in function of the user's code that began the capture
     refused: bool = False
+    minted_site: str = ""  # file:line in function of the user's code that minted the pool's id
 
     def stacks(self) -> list[str]:
         """Where it began, where its pool was minted and released: each stack under its heading."""
@@ -691,7 +692,8 @@ class Ledger:
         attempt = StaleAttempt(
             e.key, self.scope, self.next_seq(), e.owner, str(e.minted_at or ""), str(e.released_at or ""),
             e.device_count <= 0 and e.device_alive, e.host_count <= 0 and e.host_alive, self.test,
-            str(where or ""), where.site() if where is not None else "", refused)
+            str(where or ""), where.site() if where is not None else "", refused,
+            e.minted_at.site() if isinstance(e.minted_at, Stack) else "")
         self.stale.append(attempt)
         return attempt
 

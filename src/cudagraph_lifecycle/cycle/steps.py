@@ -209,7 +209,7 @@ def failed(e: BaseException, rec: CycleRecord, be: Backend, since: int, step: st
             msg += "" if torch_said == str(e) else wrapped
             if a is not None:
                 msg += (f" -- a capture into pool {a.key[2]} on device {a.key[1]}"
-                        f"{f' at {a.site}' if a.site else ''}, dead since its last graph was "
+                        f"{f' at {a.site}' if a.site else ''}{_minted_at(a.key)}, dead since its last graph was "
                         f"released{f' (made by {a.owner})' if a.owner else ''}. {stale_fix(a.owner, a.scope)}; "
                         f"{SANITIZER_STOPS_IT}\n" + "".join(a.stacks()))
         # the refusal's facts as data too (what pins the pool, the bytes it holds, where it was captured,
@@ -304,7 +304,8 @@ def caught_stale(rec: CycleRecord, be: Backend, since: int) -> None:
             pins = pins_of(be, a)
             what += f"; the pool is pinned: {pinned_text(pins)}"
         what += "".join(f"; {note}" for note in mempool_notes([a.key]).values())
-    rec.add("stale", f"a capture into stale pool {a.key[2]} on device {a.key[1]} at {a.site or '(unknown)'}, whose "
+    rec.add("stale", f"a capture into stale pool {a.key[2]} on device {a.key[1]} at {a.site or '(unknown)'}"
+                     f"{_minted_at(a.key)}, whose "
                      f"error the engine caught (it went on without its graphs): {what}."
                      f"{f' The pool was made by {a.owner}.' if a.owner else ''} {stale_fix(a.owner, a.scope)}.\n"
                      + "".join(a.stacks()), held, a.stacks(), [p.as_dict() for p in pins],

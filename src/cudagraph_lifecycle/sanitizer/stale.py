@@ -45,7 +45,8 @@ def stale_error(backend: Backend, attempt: StaleAttempt) -> StalePoolError:
     if attempt.host_dead:
         why.append("the host allocator's ledger still has the id (torch._C._host_emptyCache has not run)")
     made_by = f" It was made by {attempt.owner}." if attempt.owner else ""
-    at = f" at {attempt.site}" if attempt.site else ""
+    at = (f" at {attempt.site}" if attempt.site else "") + (
+        f" (its id minted at {attempt.minted_site})" if attempt.minted_site else "")
     err = StalePoolError(
         f"capture into stale pool {tuple(pool_id)} on device {device}{at}: all its graphs were released, but "
         + " and ".join(why)
