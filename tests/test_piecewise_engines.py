@@ -234,8 +234,11 @@ def test_p4_default_pool_growth_is_not_a_pool_leak(engine_sequence, output, verd
     probe = engine_sequence.worker.call(_read_probe)
     assert [n for n, _, _ in probe] == [2 * len(BATCH_SIZES) + 2 + 2] * 3, probe
     assert all(0 < nbytes <= allocated for _, nbytes, allocated in probe), probe
-    # but it went with its engine: nothing is left behind in the default pool
-    assert all(r["growth_bytes"] == 0 and r["kept_bytes"] == 0 for r in records), records
+    # but it went with its engine: what is left in the default pool is what the same engine without the log
+    # leaves (on CUDA the cuBLAS workspace of the stream each engine makes, 34 MiB on the H100; on sim nothing)
+    (base,) = engine_sequence(make_p1, 1, output=output)
+    left = [(r["growth_bytes"], r["kept_bytes"]) for r in records]
+    assert left == [(base["growth_bytes"], base["kept_bytes"])] * 3, (left, base)
 
 
 def test_p4_under_a_tight_max_growth_budget(pytester, monkeypatch):
@@ -266,3 +269,24 @@ def test_control_log_left_behind(engine_sequence):
     res = pytester.runpytest_subprocess("-p", "cudagraph", "-p", "no:cacheprovider", "-p", "no:benchmark",
                                         "--cudagraph-backend=sim", "--cudagraph-max-growth=1KiB")
     res.assert_outcomes(passed=3)
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_stream_per_engine_is_growth_named_with_its_fix(pytester, monkeypatch):
+    """Each piecewise engine makes its own stream: on CUDA its matmuls leave cuBLAS's workspace for that stream
+    in the default pool (GPU run 24: 34 MiB reserved, 33 MiB live, on every engine); a budget under it fails
+    the engine, and the message says what the growth is and how to avoid it."""
+    pytester.makepyfile(test_inner='''
+import pytest
+from test_piecewise_engines import make_p1
+from pytest_cudagraph import EngineCycleError
+
+def test_stream_per_engine(engine_sequence):
+    with pytest.raises(EngineCycleError, match="growth_over_budget.*cuBLAS's workspace for that stream"):
+        engine_sequence(make_p1, 1, output="drop")
+''')
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(Path(__file__).parent),
+                                                                   os.environ.get("PYTHONPATH")])))
+    res = pytester.runpytest_subprocess("-p", "cudagraph", "-p", "no:cacheprovider", "-p", "no:benchmark",
+                                        "--cudagraph-backend=cuda", "--cudagraph-max-growth=16MiB")
+    res.assert_outcomes(passed=1)
