@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import os
 import statistics
 import sys
@@ -106,7 +107,31 @@ def timing(device: str, layers: int, rounds: int) -> dict:
         for name, make in modes.items():
             times[name].append(once(make))
     med = {k: statistics.median(v) for k, v in times.items()}
-    return {"us_per_layer": med, "ratio_to_plain": {k: v / med["plain"] for k, v in med.items()}}
+    out = {"us_per_layer": med, "ratio_to_plain": {k: v / med["plain"] for k, v in med.items()}}
+    if cuda:
+        out["runner"] = runner_sides(model, layers, rounds)
+    return out
+
+
+def runner_sides(model, layers: int, rounds: int, backend: str = "cuda") -> dict:
+    """The same model through ``CUDAGraphRunner`` (4 batch sizes, one capture set), default against the
+    capture watch on every graph, in this process: is what the bench's ``capture`` ratio adds over the sides
+    above the runner's path, or the process the bench runs in?"""
+    from cudagraph_lifecycle import CUDAGraphRunner
+
+    sides = {"runner default": dict(checked=False), "runner, capture watch on each graph": dict(checked=["capture"])}
+    times: dict[str, list[float]] = {k: [] for k in sides}
+    for rnd in range(rounds + 1):
+        for name, kw in list(sides.items())[:: 1 if rnd % 2 == 0 else -1]:
+            r = CUDAGraphRunner(model, [1, 2, 4, 8], (64,), backend=backend, **kw)
+            gc.collect()
+            r.capture()
+            if rnd:  # the first round is a warm-up
+                times[name].append(r.stats.capture_ms * 1e3 / (4 * layers))
+            r.release()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    base = med["runner default"]
+    return {"us_per_layer": med, "ratio_to_default": {k: v / base for k, v in med.items()}}
 
 
 def coverage(device: str) -> dict:
