@@ -241,6 +241,14 @@ def test_p4_default_pool_growth_is_not_a_pool_leak(engine_sequence, output, verd
     assert left == [(base["growth_bytes"], base["kept_bytes"])] * 3, (left, base)
 
 
+def _run_inner(pytester, monkeypatch, backend: str, max_growth: str):
+    """Run the pytester file in a session of its own (it imports this module) with a growth budget."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(Path(__file__).parent),
+                                                                   os.environ.get("PYTHONPATH")])))
+    return pytester.runpytest_subprocess("-p", "cudagraph", "-p", "no:cacheprovider", "-p", "no:benchmark",
+                                         f"--cudagraph-backend={backend}", f"--cudagraph-max-growth={max_growth}")
+
+
 def test_p4_under_a_tight_max_growth_budget(pytester, monkeypatch):
     """The budget is about what an engine leaves behind: the log dies with its engine, so 1 KiB passes; the
     same log kept past release (the control) is over it."""
@@ -264,11 +272,7 @@ def test_control_log_left_behind(engine_sequence):
     with pytest.raises(EngineCycleError, match="growth_over_budget.*set by --cudagraph-max-growth=1KiB"):
         engine_sequence(LeavesItsLog, 1, output="drop")
 ''')
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(Path(__file__).parent),
-                                                                   os.environ.get("PYTHONPATH")])))
-    res = pytester.runpytest_subprocess("-p", "cudagraph", "-p", "no:cacheprovider", "-p", "no:benchmark",
-                                        "--cudagraph-backend=sim", "--cudagraph-max-growth=1KiB")
-    res.assert_outcomes(passed=3)
+    _run_inner(pytester, monkeypatch, "sim", "1KiB").assert_outcomes(passed=3)
 
 
 @pytest.mark.gpu
@@ -285,8 +289,4 @@ def test_stream_per_engine(engine_sequence):
     with pytest.raises(EngineCycleError, match="growth_over_budget.*cuBLAS's workspace for that stream"):
         engine_sequence(make_p1, 1, output="drop")
 ''')
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(Path(__file__).parent),
-                                                                   os.environ.get("PYTHONPATH")])))
-    res = pytester.runpytest_subprocess("-p", "cudagraph", "-p", "no:cacheprovider", "-p", "no:benchmark",
-                                        "--cudagraph-backend=cuda", "--cudagraph-max-growth=16MiB")
-    res.assert_outcomes(passed=1)
+    _run_inner(pytester, monkeypatch, "cuda", "16MiB").assert_outcomes(passed=1)
