@@ -161,8 +161,8 @@ class CUDAGraphRunner:
             every ``recheck_every``-th replay of that pair (each proof costs a second replay and a host sync);
             1 checks every replay.
         watch: which captures the ``capture`` check watches op by op: ``"each"``, or ``"largest"``, the largest
-            batch of each extra key (the op watch costs about as much as capturing each op: watching one graph
-            of a key's set costs a fraction of that). With ``"largest"``, :meth:`check_addresses` knows what the
+            batch of each extra key (the op watch adds about half of what capturing each op costs, most of it
+            the dispatch mode itself: watching one graph of a key's set costs a fraction of that). With ``"largest"``, :meth:`check_addresses` knows what the
             largest graphs read (the weights and static buffers every batch size shares, but not a tensor only
             a smaller batch's code path reads), and a failed smaller capture names where its error surfaced
             rather than the op that broke it.
