@@ -162,10 +162,10 @@ class CUDAGraphRunner:
             1 checks every replay.
         watch: which captures the ``capture`` check watches op by op: ``"each"``, or ``"largest"``, the largest
             batch of each extra key (the op watch adds about half of what capturing each op costs, most of it
-            the dispatch mode itself: watching one graph of a key's set costs a fraction of that). With ``"largest"``, :meth:`check_addresses` knows what the
-            largest graphs read (the weights and static buffers every batch size shares, but not a tensor only
-            a smaller batch's code path reads), and a failed smaller capture names where its error surfaced
-            rather than the op that broke it.
+            the dispatch mode itself: watching one graph of a key's set costs a fraction of that). With
+            ``"largest"``, :meth:`check_addresses` knows what the largest graphs read (the weights and static
+            buffers every batch size shares, but not a tensor only a smaller batch's code path reads), and a
+            failed smaller capture names where its error surfaced rather than the op that broke it.
 
     Capture runs under ``torch.no_grad()``: autograd history on a captured output would keep the capture's
     saved activations, and with them the pool, alive after release (docs/ARCHITECTURE.md, measured facts).

@@ -209,15 +209,15 @@ def failed(e: BaseException, rec: CycleRecord, be: Backend, since: int, step: st
             msg += "" if torch_said == str(e) else wrapped
             if a is not None:
                 msg += (f" -- a capture into pool {a.key[2]} on device {a.key[1]}"
-                        f"{f' at {a.site}' if a.site else ''}{_minted_at(a.key)}, dead since its last graph was "
-                        f"released{f' (made by {a.owner})' if a.owner else ''}. {stale_fix(a.owner, a.scope)}; "
+                        f"{f' at {a.site}' if a.site else ''}{_minted_phrase(a.minted_site)}, dead since its "
+                        f"last graph was released{f' (made by {a.owner})' if a.owner else ''}. {stale_fix(a.owner, a.scope)}; "
                         f"{SANITIZER_STOPS_IT}\n" + "".join(a.stacks()))
         # the refusal's facts as data too (what pins the pool, the bytes it holds, where it was captured,
         # minted and released): a gate reads the fields, not the message
         rec.add("stale", msg, getattr(stale, "held_bytes", 0),
                 getattr(stale, "stacks", None) or (a.stacks() if a is not None else []),
                 getattr(stale, "pins", None),
-                sites=[a.site, _minted_site(a.key)] if a is not None else [getattr(stale, "site", "")])
+                sites=[a.site, a.minted_site] if a is not None else [getattr(stale, "site", "")])
         return
     hint = ""
     if be.name == "sim" and any(m in str(e) for m in NO_CUDA_MARKERS):
@@ -305,11 +305,11 @@ def caught_stale(rec: CycleRecord, be: Backend, since: int) -> None:
             what += f"; the pool is pinned: {pinned_text(pins)}"
         what += "".join(f"; {note}" for note in mempool_notes([a.key]).values())
     rec.add("stale", f"a capture into stale pool {a.key[2]} on device {a.key[1]} at {a.site or '(unknown)'}"
-                     f"{_minted_at(a.key)}, whose "
+                     f"{_minted_phrase(a.minted_site)}, whose "
                      f"error the engine caught (it went on without its graphs): {what}."
                      f"{f' The pool was made by {a.owner}.' if a.owner else ''} {stale_fix(a.owner, a.scope)}.\n"
                      + "".join(a.stacks()), held, a.stacks(), [p.as_dict() for p in pins],
-            sites=[a.site, _minted_site(a.key)])
+            sites=[a.site, a.minted_site])
 
 
 def check_held(be: Backend, caller: Caller, current: set[Key]) -> CycleRecord | None:
@@ -360,9 +360,12 @@ def _minted_site(key: Key) -> str:
     return m.site() if isinstance(m, Stack) else ""
 
 
-def _minted_at(key: Key) -> str:
-    site = _minted_site(key)
+def _minted_phrase(site: str) -> str:
     return f", its id minted at {site}" if site else ""
+
+
+def _minted_at(key: Key) -> str:
+    return _minted_phrase(_minted_site(key))
 
 
 def _stacks(be: Backend, pools: list[Key]) -> list[str]:
