@@ -4,7 +4,9 @@
     python scripts/probe_watch_modes.py [--device cuda|cpu] [--rounds N] [--json PATH]
 
 On CUDA the forward is captured (``torch.cuda.graph``, one pool) and the figure is capture time a layer; on
-the CPU it is eager time a layer. Coverage: a weight read only inside ``backward()``, only inside a TorchScript
+the CPU it is eager time a layer. On CUDA the runner's sides (default against the watch on each graph) are
+timed for this model and for the bench's (``bench_runner.launch_bound_model``: three ops a layer where this
+one has two), with the ops a forward dispatches, and one watched capture of the bench's model is profiled. Coverage: a weight read only inside ``backward()``, only inside a TorchScript
 module, and by a ``torch.ops`` call: does the mode see a tensor of that storage among an op's arguments?
 """
 
@@ -12,8 +14,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
 import gc
+import io
 import os
+import pstats
 import statistics
 import sys
 import time
@@ -24,6 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from bench.bench_runner import launch_bound_model  # noqa: E402
 from bench.common import emit  # noqa: E402
 from cudagraph_lifecycle.checks.capture_watch import CaptureWatch  # noqa: E402
 
@@ -109,11 +115,50 @@ def timing(device: str, layers: int, rounds: int) -> dict:
     med = {k: statistics.median(v) for k, v in times.items()}
     out = {"us_per_layer": med, "ratio_to_plain": {k: v / med["plain"] for k, v in med.items()}}
     if cuda:
-        out["runner"] = runner_sides(model, layers, rounds)
+        out["runner"] = runner_sides(model, layers, rounds, (64,), torch.float32)
+        bench_fwd = launch_bound_model(device, torch.float16)
+        out["runner, the bench's model"] = runner_sides(bench_fwd, 16, rounds, (256,), torch.float16)
+        out["profile of a watched capture, the bench's model"] = profile_watched(bench_fwd, (256,), torch.float16)
     return out
 
 
-def runner_sides(model, layers: int, rounds: int, backend: str = "cuda") -> dict:
+class CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def ops_per_forward(fwd, shape, dtype, device: str) -> int:
+    x = torch.randn(8, *shape, device=device, dtype=dtype)
+    with torch.no_grad(), CountOps() as mode:
+        fwd(x)
+    return mode.n
+
+
+def profile_watched(fwd, shape, dtype, backend: str = "cuda", top: int = 25) -> list[str]:
+    """cProfile of one runner capture set with the watch on every graph (after a warm-up set): where a
+    watched capture's host time goes, function by function."""
+    from cudagraph_lifecycle import CUDAGraphRunner
+
+    prof = cProfile.Profile()
+    for rnd in range(2):
+        r = CUDAGraphRunner(fwd, [1, 2, 4, 8], shape, dtype=dtype, backend=backend, checked=["capture"])
+        gc.collect()
+        if rnd:
+            prof.enable()
+        r.capture()
+        prof.disable()
+        r.release()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    return [line for line in buf.getvalue().splitlines() if line.strip()]
+
+
+def runner_sides(model, layers: int, rounds: int, shape: tuple, dtype, backend: str = "cuda") -> dict:
     """The same model through ``CUDAGraphRunner`` (4 batch sizes, one capture set), default against the
     capture watch on every graph, in this process: is what the bench's ``capture`` ratio adds over the sides
     above the runner's path, or the process the bench runs in?"""
@@ -123,7 +168,7 @@ def runner_sides(model, layers: int, rounds: int, backend: str = "cuda") -> dict
     times: dict[str, list[float]] = {k: [] for k in sides}
     for rnd in range(rounds + 1):
         for name, kw in list(sides.items())[:: 1 if rnd % 2 == 0 else -1]:
-            r = CUDAGraphRunner(model, [1, 2, 4, 8], (64,), backend=backend, **kw)
+            r = CUDAGraphRunner(model, [1, 2, 4, 8], shape, dtype=dtype, backend=backend, **kw)
             gc.collect()
             r.capture()
             if rnd:  # the first round is a warm-up
@@ -131,7 +176,9 @@ def runner_sides(model, layers: int, rounds: int, backend: str = "cuda") -> dict
             r.release()
     med = {k: statistics.median(v) for k, v in times.items()}
     base = med["runner default"]
-    return {"us_per_layer": med, "ratio_to_default": {k: v / base for k, v in med.items()}}
+    ops = ops_per_forward(model, shape, dtype, "cuda" if backend == "cuda" else "cpu")
+    return {"us_per_layer": med, "ratio_to_default": {k: v / base for k, v in med.items()},
+            "ops_per_forward": ops, "watch_us_per_op": (med["runner, capture watch on each graph"] - base) * layers / ops}
 
 
 def coverage(device: str) -> dict:
