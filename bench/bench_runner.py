@@ -9,6 +9,7 @@ alone; 0 bytes left after release (vs a naive release that keeps one output).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import statistics
@@ -185,6 +186,21 @@ def memory_case(be, sizes, **model):
     return res
 
 
+@contextlib.contextmanager
+def capture_path(path):
+    """CUDAGRAPH_CAPTURE_PATH set to ``path`` (None: as it was) while a runner captures: its op watch's path."""
+    before = os.environ.get("CUDAGRAPH_CAPTURE_PATH")
+    if path is not None:
+        os.environ["CUDAGRAPH_CAPTURE_PATH"] = path
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("CUDAGRAPH_CAPTURE_PATH", None)
+        else:
+            os.environ["CUDAGRAPH_CAPTURE_PATH"] = before
+
+
 def bench_checks(be, iters, rounds=8):
     """What checked mode costs, side by side with the default runner, for all checks at once and for each
     alone: one step (batch 3 on the batch-4 graph), one capture set of 4 graphs, and one check_addresses().
@@ -199,7 +215,8 @@ def bench_checks(be, iters, rounds=8):
     x = torch.randn(3, 256, device=dev, dtype=dtype)
     configs = {"default": dict(checked=False), "checked": dict(checked=True),
                **{c: dict(checked=[c]) for c in checks.CHECKS},
-               "capture_largest": dict(checked=["capture"], watch="largest")}  # one watched capture of the four
+               "capture_largest": dict(checked=["capture"], watch="largest"),  # one watched capture of the four
+               "capture_python": dict(checked=["capture"])}  # the op watch's Python path (CUDAGRAPH_CAPTURE_PATH)
     step: dict[str, list[float]] = {name: [] for name in configs}
     capture: dict[str, list[float]] = {name: [] for name in configs}
     addresses: list[float] = []
@@ -207,7 +224,8 @@ def bench_checks(be, iters, rounds=8):
         for name, kw in list(configs.items())[:: 1 if rnd % 2 == 0 else -1]:
             r = CUDAGraphRunner(fwd, [1, 2, 4, 8], (256,), dtype=dtype, backend=be, **kw)
             gc.collect()  # a collection inside a 2 ms capture would be the whole difference
-            r.capture()
+            with capture_path("python" if name == "capture_python" else None):
+                r.capture()
             step[name].append(timeit(be, lambda r=r: r.run(x), iters)[0])
             capture[name].append(r.stats.capture_ms)
             if name == "capture":

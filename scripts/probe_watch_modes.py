@@ -29,9 +29,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench.bench_runner import launch_bound_model  # noqa: E402
+from bench.bench_runner import capture_path, launch_bound_model  # noqa: E402
 from bench.common import emit  # noqa: E402
-from cudagraph_lifecycle.checks.capture_watch import CaptureWatch  # noqa: E402
+from cudagraph_lifecycle.checks.capture_watch import CaptureWatch, CompiledCaptureWatch  # noqa: E402
 
 
 class EmptyDispatch(TorchDispatchMode):
@@ -87,6 +87,10 @@ def timing(device: str, layers: int, rounds: int) -> dict:
     modes = {"plain": None, "empty dispatch mode": EmptyDispatch, "empty function mode": EmptyFunction,
              "capture watch": lambda: CaptureWatch(None),
              "capture watch, a later graph of its set": lambda: CaptureWatch(None, known)}
+    if CompiledCaptureWatch is not None:
+        known_c: dict = {}
+        modes["compiled watch"] = lambda: CompiledCaptureWatch(None)
+        modes["compiled watch, a later graph of its set"] = lambda: CompiledCaptureWatch(None, known_c)
     cuda = device == "cuda"
     if cuda:
         stream, pool = torch.cuda.Stream(), torch.cuda.graph_pool_handle()
@@ -140,17 +144,19 @@ def ops_per_forward(fwd, shape, dtype, device: str) -> int:
 
 
 def profile_watched(fwd, shape, dtype, backend: str = "cuda", top: int = 25) -> list[str]:
-    """cProfile of one runner capture set with the watch on every graph (after a warm-up set): where a
-    watched capture's host time goes, function by function."""
+    """cProfile of one runner capture set with the watch on every graph (after a warm-up set), the watch's
+    Python path (a compiled function is one line): where a watched capture's host time goes, function by
+    function."""
     from cudagraph_lifecycle import CUDAGraphRunner
 
     prof = cProfile.Profile()
     for rnd in range(2):
         r = CUDAGraphRunner(fwd, [1, 2, 4, 8], shape, dtype=dtype, backend=backend, checked=["capture"])
         gc.collect()
-        if rnd:
-            prof.enable()
-        r.capture()
+        with capture_path("python"):
+            if rnd:
+                prof.enable()
+            r.capture()
         prof.disable()
         r.release()
     buf = io.StringIO()
@@ -164,21 +170,26 @@ def runner_sides(model, layers: int, rounds: int, shape: tuple, dtype, backend: 
     above the runner's path, or the process the bench runs in?"""
     from cudagraph_lifecycle import CUDAGraphRunner
 
-    sides = {"runner default": dict(checked=False), "runner, capture watch on each graph": dict(checked=["capture"])}
+    sides = {"runner default": (dict(checked=False), None),
+             "runner, capture watch on each graph": (dict(checked=["capture"]), "python"),
+             "runner, compiled watch on each graph": (dict(checked=["capture"]), "compiled")}
+    if CompiledCaptureWatch is None:
+        del sides["runner, compiled watch on each graph"]
     times: dict[str, list[float]] = {k: [] for k in sides}
     for rnd in range(rounds + 1):
-        for name, kw in list(sides.items())[:: 1 if rnd % 2 == 0 else -1]:
+        for name, (kw, path) in list(sides.items())[:: 1 if rnd % 2 == 0 else -1]:
             r = CUDAGraphRunner(model, [1, 2, 4, 8], shape, dtype=dtype, backend=backend, **kw)
             gc.collect()
-            r.capture()
+            with capture_path(path):
+                r.capture()
             if rnd:  # the first round is a warm-up
                 times[name].append(r.stats.capture_ms * 1e3 / (4 * layers))
             r.release()
     med = {k: statistics.median(v) for k, v in times.items()}
     base = med["runner default"]
     ops = ops_per_forward(model, shape, dtype, "cuda" if backend == "cuda" else "cpu")
-    return {"us_per_layer": med, "ratio_to_default": {k: v / base for k, v in med.items()},
-            "ops_per_forward": ops, "watch_us_per_op": (med["runner, capture watch on each graph"] - base) * layers / ops}
+    return {"us_per_layer": med, "ratio_to_default": {k: v / base for k, v in med.items()}, "ops_per_forward": ops,
+            "us_per_op_over_default": {k: (v - base) * layers / ops for k, v in med.items() if k != "runner default"}}
 
 
 def coverage(device: str) -> dict:

@@ -247,8 +247,9 @@ class CUDAGraphRunner:
         self.watch = watch
         self._replays_of: Counter[tuple] = Counter()  # (graph key, real batch) -> replays, for recheck_every
         self._addresses = checks.AddressBook()
-        # during capture() with the op watch: (the set's known reads, the names of the tensors it may read)
-        self._watched: tuple[dict, dict] | None = None
+        # during capture() with the op watch: (the set's known reads, the names of the tensors it may read, the
+        # watch's class: compiled or Python, as CUDAGRAPH_CAPTURE_PATH says)
+        self._watched: tuple[dict, dict, type] | None = None
 
     # lifecycle
     def _check_live(self) -> None:
@@ -272,7 +273,8 @@ class CUDAGraphRunner:
             self._static_in = torch.zeros((self.batch_sizes[-1], *self.feature_shape), dtype=self.dtype, device=dev)
             self._stream = self.backend.capture_stream(self.device)
             self._frames = capture_frames()  # where this capture was asked for: one stack for all its graphs
-            self._watched = ({}, checks.named_tensors(self._names)) if "capture" in self.checks else None
+            self._watched = (({}, checks.named_tensors(self._names), checks.watch_class())
+                             if "capture" in self.checks else None)
             pool_id, dead = self._take_pool(), False
             for bs in reversed(self.batch_sizes):
                 for ekey in self.extra_keys:
@@ -338,7 +340,7 @@ class CUDAGraphRunner:
             eager_failed = err is not None
             if err is None:
                 watched = "capture" in self.checks and (self.watch == "each" or bs == self.batch_sizes[-1])
-                watch = checks.CaptureWatch(be.invalidation_probe(), self._watched[0]) if watched else None
+                watch = self._watched[2](be.invalidation_probe(), self._watched[0]) if watched else None
                 reserved = be.memory_reserved(self.device)
                 t0 = time.perf_counter()
                 direct = observe.direct_capture(type(graph))

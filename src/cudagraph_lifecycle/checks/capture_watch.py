@@ -17,6 +17,9 @@ from typing import Any
 
 import torch
 
+from ..choices import capture_path_from_env
+from ..errors import ConfigError
+
 try:  # the same machinery the simulated allocator uses
     from torch.multiprocessing.reductions import StorageWeakRef
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -92,6 +95,7 @@ class CaptureWatch(TorchDispatchMode):
         self.reads: dict[int, ReadStorage] = {}
         self.offender: str | None = None
         self._known: dict[int, tuple] = {} if known is None else known
+        self._state = (self.born, self.reads, self._known, invalidated)  # what the compiled op path reads
 
     def _read(self, t: Any, key: int, name: str) -> None:
         known = self._known.get(key)
@@ -111,6 +115,14 @@ class CaptureWatch(TorchDispatchMode):
                     self._read(t, key, name)
             elif isinstance(t, (list, tuple)):
                 self._read_all(t, name)
+
+    def _failed(self, name: str) -> None:
+        if self.offender is None:
+            self.offender = f"{name} at {user_frame()}"
+
+    def _after(self, name: str) -> None:
+        if self.offender is None and self._invalidated():
+            self.offender = f"{name} at {user_frame()} (the capture was invalid after it)"
 
     def _born(self, out: Any) -> None:
         if isinstance(out, _Tensor):
@@ -138,13 +150,48 @@ class CaptureWatch(TorchDispatchMode):
         try:
             out = call(*args, **kwargs) if kwargs else call(*args)
         except BaseException:
-            if self.offender is None:
-                self.offender = f"{name} at {user_frame()}"
+            self._failed(name)
             raise
         if isinstance(out, _Tensor):
             born.add(_storage_id(out))
         else:
             self._born(out)
-        if self.offender is None and self._invalidated is not None and self._invalidated():
-            self.offender = f"{name} at {user_frame()} (the capture was invalid after it)"
+        if self._invalidated is not None:
+            self._after(name)
         return out
+
+
+try:
+    from . import _watch
+except ImportError as e:  # not built (no compiler at install), or built for another Python: the Python watch
+    _watch, _watch_missing = None, f"{type(e).__name__}: {e}"
+else:
+    _watch_missing = ""
+
+
+if _watch is not None and TorchDispatchMode is not object:
+    class CompiledCaptureWatch(CaptureWatch):
+        """The same watch, its per-op path compiled (``_watch.c``): what it records is CaptureWatch's, read
+        through the same helpers for a storage's first look, an op that raised and the validity probe."""
+
+        __torch_dispatch__ = _watch.Dispatch(ops=_OPS, op_of=_op, tensor_type=_Tensor, storage_id=_storage_id,
+                                             read=CaptureWatch._read, failed=CaptureWatch._failed,
+                                             after=CaptureWatch._after)
+else:
+    CompiledCaptureWatch = None
+
+
+def watch_class() -> type[CaptureWatch]:
+    """The watch a capture gets: the compiled one where it was built, unless ``CUDAGRAPH_CAPTURE_PATH``
+    says ``python`` (``compiled`` where it was not built is an error that says why)."""
+    chosen = capture_path_from_env(os.environ)
+    if chosen == "python":
+        return CaptureWatch
+    if CompiledCaptureWatch is None:
+        if chosen == "compiled":
+            raise ConfigError("CUDAGRAPH_CAPTURE_PATH=compiled, but checked mode's compiled op watch was not "
+                              f"built ({_watch_missing or 'torch has no TorchDispatchMode'}): reinstall where a C "
+                              "compiler and Python's headers are present (from a clone: pip install --no-deps "
+                              "-e .), or unset the variable")
+        return CaptureWatch
+    return CompiledCaptureWatch
