@@ -235,7 +235,7 @@ def bench_checks(be, iters, rounds=8):
                 addresses.append((time.perf_counter() - t0) / 20 * 1e6)
             r.release()
     med = statistics.median
-    out: dict = {"rounds": rounds, "check_addresses_us": med(addresses)}
+    out: dict = {"rounds": rounds, "check_addresses_us": med(addresses), "op_watch": checks.capture_watch.describe()}
     for name in configs:
         out[f"step_us_{name}"], out[f"capture_ms_{name}"] = med(step[name]), med(capture[name])
         if name != "default":

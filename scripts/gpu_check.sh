@@ -69,6 +69,8 @@ import pytest, importlib.metadata as md
 print(f"- pytest {pytest.__version__}, pytest-cudagraph {md.version('pytest-cudagraph')}")
 from cudagraph_lifecycle.observe import compiled
 print(f"- capture path: {compiled.describe()}")
+from cudagraph_lifecycle.checks import capture_watch
+print(f"- checked mode's op watch: {capture_watch.describe()}")
 print("- sources (`bash scripts/source_hash.sh`): "
       + subprocess.run(["bash", "scripts/source_hash.sh"], capture_output=True, text=True).stdout.strip())
 PY
@@ -76,9 +78,10 @@ PT="python3 -m pytest -p cudagraph -p no:cacheprovider --cudagraph-require-gpu"
 
 beside "bench plugin import (CUDA build of torch)" python3 bench/bench_plugin_import.py --rounds 10 \
   --json "$R/bench-plugin-import.json"
-# the C capture path on this machine's Python (3.12 there, 3.11 in CI): both paths equal, no leak (on sim)
+# the C capture path and op watch on this machine's Python (3.12 there, 3.11 in CI): both paths equal, no leak
+# (on sim)
 beside "capture paths equal (compiled vs Python, on sim)" python3 -m pytest -p cudagraph -p no:cacheprovider -q \
-  tests/test_capture_paths.py
+  tests/test_capture_paths.py tests/test_checks.py
 step "conformance on cuda" python3 -m cudagraph_lifecycle.conformance --backend cuda --jobs 8 \
   --json "$R/conformance-cuda.json"
 step "GPU tests" $PT -q -rP tests/test_gpu.py

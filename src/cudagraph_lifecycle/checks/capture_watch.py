@@ -181,6 +181,13 @@ else:
     CompiledCaptureWatch = None
 
 
+def describe() -> str:
+    """The op watch a capture gets now and, for the Python one, why: for reports and benchmarks."""
+    if capture_path_from_env(os.environ) == "python":
+        return "python (CUDAGRAPH_CAPTURE_PATH=python)"
+    return "compiled" if CompiledCaptureWatch is not None else f"python (not built: {_watch_missing})"
+
+
 def watch_class() -> type[CaptureWatch]:
     """The watch a capture gets: the compiled one where it was built, unless ``CUDAGRAPH_CAPTURE_PATH``
     says ``python`` (``compiled`` where it was not built is an error that says why)."""
