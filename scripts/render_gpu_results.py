@@ -161,10 +161,16 @@ def main(folder: str) -> None:
     soak = load(folder, "bench-soak.json")
     if soak:
         sm = soak["summary"]
+        against = ""
+        if "ratio_first20_median" in sm:  # the cycle against a reference timed beside it
+            against = (f"; cycle / reference {sm['ratio_first20_median']:.2f} → {sm['ratio_last20_median']:.2f} "
+                       f"(first 20 spread {sm['ratio_first20_spread'][0]:.2f}–{sm['ratio_first20_spread'][1]:.2f}; "
+                       f"reference {sm['reference_ms_first20_median']:.1f} → {sm['reference_ms_last20_median']:.1f} ms)")
         print(f"| soak: {sm['engines']} engines in one reused worker | verdicts {sm['verdicts']}, most bytes left in a "
               f"graph pool {sm['max_pool_bytes_after_release']}, cycle {sm['cycle_ms_first20_median']:.0f} → "
               f"{sm['cycle_ms_last20_median']:.0f} ms (first 20 spread {sm['cycle_ms_first20_spread'][0]:.0f}–"
-              f"{sm['cycle_ms_first20_spread'][1]:.0f}) | 0 bytes, no trend |")
+              f"{sm['cycle_ms_first20_spread'][1]:.0f}){against}; "
+              f"{'pass' if sm['pass'] else '**FAIL**'} | 0 bytes, no trend |")
     sm = load(folder, "bench-sanitizer-memory.json")
     if sm:
         last = sm["rounds"][-1]
