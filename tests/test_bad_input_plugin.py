@@ -319,7 +319,23 @@ class RunnerAndIds(PlainIds):  # what the engine says wins over what its runner 
     runner = type("Runner", (), {"pool_ids": []})()
 
 def runner_and_ids(backend): return RunnerAndIds(backend)
+
+class BadDevice(Good):  # a torch.device where the backend takes a device index
+    def __init__(self, backend): self.w = backend.randn(4, device=backend.torch_device(0))
+
+def bad_device(backend): return BadDevice(backend)
+
+class BadDeviceAtRun(Good):
+    def __init__(self, backend): self.backend = backend
+    def example_input(self): return self.backend.randn(2, 4)
+    def run(self, x): return x + self.backend.randn(*x.shape, device=self.backend.torch_device(0))
+
+def bad_device_at_run(backend): return BadDeviceAtRun(backend)
 '''
+
+
+def _engines_line(text: str) -> int:
+    return next(i for i, line in enumerate(ENGINES.lstrip("\n").splitlines(), 1) if text in line)  # as written
 
 
 @pytest.mark.parametrize("what, marker, body, words", FIXTURE_ARGS, ids=[r[0] for r in FIXTURE_ARGS])
@@ -390,11 +406,21 @@ def test_a_bad_marker_names_the_class_or_module_it_is_written_on(pytester, text,
     assert "cudagraph_engines(n=-1): give a positive int" in out and words in out, out
 
 
-@pytest.mark.parametrize("factory, words", [
+# (factory in ENGINES, words in the failure)
+SHAPES = [
     ("no_release", ["the factory returned object, which has no run(x) (or __call__) and no release()"]),
     ("plain_ids", ["PlainIds.pool_ids() returned [(0, 1)]", "(device, pool_id) pairs"]),
     ("runner_and_ids", ["RunnerAndIds.pool_ids() returned [(0, 1)]"]),
-])
+    # a bad argument the engine's own code passes to the backend: the line of the engine that passed it
+    ("bad_device", ["device index device(type='cpu') is not valid on backend 'sim'",
+                    f"engines_mod.py:{_engines_line('self.w = backend.randn')} in __init__, building "
+                    "test_a.py::test_x [engine 0])"]),
+    ("bad_device_at_run", [f"engines_mod.py:{_engines_line('def run(self, x): return x + self.backend')} in run, "
+                           "running test_a.py::test_x [engine 0])"]),
+]
+
+
+@pytest.mark.parametrize("factory, words", SHAPES, ids=[r[0] for r in SHAPES])
 def test_engines_of_the_wrong_shape(pytester, factory, words):
     pytester.makepyfile(engines_mod=ENGINES)
     pytester.makepyfile(test_a=f'''
@@ -406,8 +432,10 @@ def test_x(engine_sequence):
     res = pytester.runpytest_subprocess("-p", "cudagraph")
     res.assert_outcomes(failed=1)
     for w in words:
-        assert w in res.stdout.str()
+        assert w in res.stdout.str(), res.stdout.str()
     res.stdout.fnmatch_lines(["FAILED test_a.py::test_x - cudagraph_lifecycle.errors.ConfigError: *"])
+    if not factory.startswith("bad_device"):  # the engine's shape is checked in our code: no line of the engine's
+        assert "(raised at " not in res.stdout.str()
 
 
 def test_the_json_report_needs_no_terminal(pytester):

@@ -113,6 +113,6 @@ def test_the_suite_counts_in_the_readme_are_the_tables():
     assert f"worker faults survived: {len(worker_table.ROWS)} rows" in text
     assert f"MPI rank faults: {len(mpi_table.ROWS)} rows" in text
     runner_rows = len(runner_table.BUILD) + len(runner_table.RUN) + len(runner_table.OTHER)
-    plugin_rows = len(plugin_table.OPTIONS) + len(plugin_table.AT_IMPORT) + len(plugin_table.FIXTURE_ARGS) + 3
+    plugin_rows = len(plugin_table.OPTIONS) + len(plugin_table.AT_IMPORT) + len(plugin_table.FIXTURE_ARGS) + len(plugin_table.SHAPES)
     assert f"library arguments: {runner_rows} rows" in text
-    assert f"engine shapes: {plugin_rows} rows" in text
+    assert f"bad arguments an engine passes: {plugin_rows} rows" in text

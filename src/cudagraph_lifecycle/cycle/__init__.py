@@ -13,7 +13,7 @@ from typing import Any
 from .. import observe
 from ..backends import Backend, get_backend
 from ..errors import ConfigError
-from ..ledger import ledger
+from ..ledger import ledger, raised_site
 from ..sanitizer import global_sanitizer
 from ..sanitizer.findings import PREVENTED_KINDS
 from ..sanitizer.pins import graph_holder
@@ -66,6 +66,17 @@ STREAM_WORKSPACE_HINT = ("; an engine that makes its own stream leaves cuBLAS's 
                          "engine, or call torch._C._cuda_clearCublasWorkspaces() after release once no graph is alive")
 
 
+def _located(e: ConfigError, step: str, label: str) -> ConfigError:
+    """``e`` with the line of the engine's code that raised it, where that is the engine's (a call into the
+    backend with a bad argument); the engine's own shape is checked in our code, which has no such line."""
+    site = raised_site(e)
+    if not site:
+        return e
+    located = ConfigError(f"{e} (raised at {site}, {step} {label})")
+    located.__traceback__ = e.__traceback__
+    return located
+
+
 def run_cycle(
     factory: Callable[[Backend], Any],
     backend: str | Backend = "auto",
@@ -113,8 +124,8 @@ def run_cycle(
         try:
             engine = build(factory, be)
             capture(engine, rec)
-        except ConfigError:
-            raise
+        except ConfigError as e:
+            raise _located(e, "capturing" if engine is not None else "building", label) from None
         except Exception as e:
             failed(e, rec, be, since, "capture" if engine is not None else "build")
         refused_on_default_stream(rec, be, since)
@@ -131,8 +142,8 @@ def run_cycle(
             try:
                 y = exercise(engine, rec, atol, reload)
                 declared = engine.declared_pools()
-            except ConfigError:
-                raise
+            except ConfigError as e:
+                raise _located(e, "running", label) from None
             except Exception as e:
                 failed(e, rec, be, since, "run")
             refused_on_default_stream(rec, be, since)
