@@ -4,10 +4,11 @@
     python scripts/probe_watch_modes.py [--device cuda|cpu] [--rounds N] [--json PATH]
 
 On CUDA the forward is captured (``torch.cuda.graph``, one pool) and the figure is capture time a layer; on
-the CPU it is eager time a layer. On CUDA the runner's sides (default against the watch on each graph) are
-timed for this model and for the bench's (``bench_runner.launch_bound_model``: three ops a layer where this
-one has two), with the ops a forward dispatches, and one watched capture of the bench's model is profiled. Coverage: a weight read only inside ``backward()``, only inside a TorchScript
-module, and by a ``torch.ops`` call: does the mode see a tensor of that storage among an op's arguments?
+the CPU it is eager time a layer. On CUDA the runner's sides (default against the watch on each graph, Python
+and compiled) are timed for this model and for the bench's (``bench_runner.launch_bound_model``: three ops a
+layer where this one has two), with the ops a forward dispatches, and one watched capture set of the bench's
+model is profiled. Coverage: a weight read only inside ``backward()``, only inside a TorchScript module, and by
+a ``torch.ops`` call: does the mode see a tensor of that storage among an op's arguments?
 """
 
 from __future__ import annotations
