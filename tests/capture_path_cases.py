@@ -7,7 +7,7 @@ import json
 import sys
 import weakref
 
-from cudagraph_lifecycle import PoolSanitizer, observe
+from cudagraph_lifecycle import CUDAGraphRunner, PoolSanitizer, observe
 from cudagraph_lifecycle.backends.sim import SimBackend, SimGraph
 from cudagraph_lifecycle.ledger import GraphEntry, _line_of, ledger
 from cudagraph_lifecycle.observe import hooks
@@ -78,8 +78,10 @@ def scenarios() -> tuple[dict, dict]:
         out["flushes"] = sorted([world_name(w), n] for w, n in ledger.flushes.items())
         methods = [(SimGraph, "capture_begin"), (SimGraph, "capture_end"), (SimBackend, "empty_cache"),
                    (SimBackend, "host_empty_cache")]
-        return out, {f"{name}.{count}": getattr(getattr(owner, name), count, None)
-                     for owner, name in methods for count in ("compiled_calls", "python_calls")}
+        counts = {f"{name}.{count}": getattr(getattr(owner, name), count, None)
+                  for owner, name in methods for count in ("compiled_calls", "python_calls")}
+        counts["direct.record"] = type(observe.direct_capture(SimGraph).record).__name__
+        return out, counts
     finally:
         observe.release()
 
@@ -124,6 +126,13 @@ def _scenarios(out: dict, be) -> dict[str, str]:
             del gone
             gc.collect()
         out["an event queued"] = step(be, new_graph(be), be.graph_pool_handle())
+        # the runner's own path (observe.DirectCapture): its entries made by the installed path's record
+        with ledger.engine_scope("runner"):
+            runner = CUDAGraphRunner(lambda x: x * 2 + 1, [1, 2, 4], (8,), backend=be)
+            kept.append(runner)
+            out["a runner's captures"] = attempt(runner.capture)
+        released = CUDAGraphRunner(lambda x: x - 1, [1, 2], (8,), backend=be)
+        out["a runner released"] = attempt(lambda: (released.capture(), released.release()))
         for i in range(300):  # more than the queue holds before it is drained
             step(be, new_graph(be), h if i % 2 else None)
         out["many"] = "300 captures"

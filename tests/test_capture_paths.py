@@ -39,7 +39,12 @@ def test_both_capture_paths_give_the_ledger_the_same_entries():
     for flush in ("empty_cache", "host_empty_cache"):
         assert counts[f"{flush}.compiled_calls"] >= 1 and counts[f"{flush}.python_calls"] >= 1, counts
     assert compiled["outcomes"]["flushes"], compiled["outcomes"]
-    assert set(python["counts"].values()) == {None}
+    assert set(python["counts"].values()) == {None, "function"}
+    # the runner's entries: made by the compiled record on one path, by wrappers.recorder's on the other
+    assert (compiled["counts"]["direct.record"], python["counts"]["direct.record"]) == ("builtin_function_or_method",
+                                                                                        "function")
+    assert compiled["outcomes"]["a runner's captures"] == "ok", compiled["outcomes"]
+    assert [e["scope"] for e in compiled["entries"]].count("runner") == 3
     assert len(compiled["entries"]) > 300 and compiled["stale"] and compiled["default_stream"]
     assert compiled["failed_captures"] and compiled["outcomes"]["pools"]
     # no reference taken on either path outlives the captures: every backend and graph is gone at the end
@@ -103,3 +108,30 @@ def test_an_install_without_the_extension_runs_python_or_says_why_compiled_canno
                                           r"built \(ImportError: no module named _capture\): reinstall where a C compiler and "
                                           r"Python's headers are present \(from a clone: pip install --no-deps -e \.\)"):
         compiled.path()
+
+
+def test_a_flush_that_recorded_a_release_lets_the_next_flushes_through():
+    """torch.cuda.graph flushes both caches before every capture: after a release, the first capture's flushes
+    record it in Python and close their gates; the next capture's flushes pass straight through in C."""
+    from cudagraph_lifecycle import PoolSanitizer, observe
+    from cudagraph_lifecycle.backends.sim import SimBackend
+
+    if observe.compiled.path() != "compiled":
+        pytest.skip("the compiled capture path is not in use here")
+    be = SimBackend()
+    with PoolSanitizer(be):
+        gates = SimBackend.empty_cache, SimBackend.host_empty_cache
+
+        def capture():
+            g = be.new_graph()
+            with be.graph(g, pool=pool):
+                be.randn(4).mul_(2)
+            return g
+
+        pool = be.graph_pool_handle()
+        capture().reset()  # released: both flushes have something to record
+        before = [(gate.python_calls, gate.compiled_calls) for gate in gates]
+        kept = [capture(), capture(), capture()]
+        after = [(gate.python_calls, gate.compiled_calls) for gate in gates]
+        assert [(p1 - p0, c1 - c0) for (p0, c0), (p1, c1) in zip(before, after)] == [(1, 2), (1, 2)]
+        assert all(g.replay() is None for g in kept)

@@ -53,7 +53,10 @@ def _install() -> None:
         _patch(cls, "capture_end", lambda f, a=api: wrappers.capture_end(a, hooks, f) if path == "python"
                else compiled.capture_end(hooks, f))
         (*_, begin), (*_, end) = _saved[-2:]
-        _direct[cls] = (wrappers.DirectCapture(hooks, begin, end, record), cls.capture_begin, cls.capture_end)
+        # the compiled wrapper makes the runner's entries too: the same record, without a Python frame a graph
+        direct_record = record if path == "python" else vars(cls)["capture_begin"].record
+        _direct[cls] = (wrappers.DirectCapture(hooks, begin, end, direct_record), cls.capture_begin,
+                        cls.capture_end)
         _patch(cls, "reset", lambda f, a=api: wrappers.reset(a, hooks, f))
         _patch(cls, "replay", lambda f, a=api: wrappers.replay(a, hooks, f))
         for owner, name, parse in api.handles:

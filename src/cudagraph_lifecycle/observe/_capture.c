@@ -96,14 +96,14 @@ fail:
     return NULL;
 }
 
-/* wrappers.recorder's record, for a graph that takes an attribute: 0, or -1 with an error set */
-static int
+/* wrappers.recorder's record: the graph's new entry, or NULL with an error set */
+static PyObject *
 record(CaptureBegin *self, PyObject *graph, PyObject *be, PyObject *world, PyObject *device, PyObject *pool,
        PyObject *frames)
 {
     PyObject *call_args[2] = {graph, self->gone};
     PyObject *g = PyObject_Vectorcall(self->entry_cls, call_args, 2, NULL);
-    if (g == NULL) return -1;
+    if (g == NULL) return NULL;
     PyObject *seq = PyIter_Next(self->seq_counter);
     if (seq == NULL) {
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "the ledger's sequence counter ended");
@@ -178,11 +178,26 @@ record(CaptureBegin *self, PyObject *graph, PyObject *be, PyObject *world, PyObj
         }
         Py_XSETREF(self->last_world, Py_NewRef(world));
     }
-    Py_DECREF(g);
-    return 0;
+    return g;
 fail:
     Py_DECREF(g);
-    return -1;
+    return NULL;
+}
+
+/* CaptureBegin.record(graph, be, device, pool, frames): the same entry, for DirectCapture (the runner takes
+ * the stack once for all its graphs and judges the pool itself) */
+static PyObject *
+capture_begin_record(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5) {
+        PyErr_Format(PyExc_TypeError, "record(graph, be, device, pool, frames) takes 5 arguments, %zd given", nargs);
+        return NULL;
+    }
+    PyObject *world = PyObject_GetAttr(args[1], s_world);
+    if (world == NULL) return NULL;
+    PyObject *g = record((CaptureBegin *)self, args[0], args[1], world, args[2], args[3], args[4]);
+    Py_DECREF(world);
+    return g;
 }
 
 /* The call raised: hand the exception to `hook(graph, ..., exception)` (which never raises), and leave it
@@ -325,7 +340,11 @@ capture_begin_call(PyObject *self_, PyObject *const *args, size_t nargsf, PyObje
     self->compiled_calls++;
     if (device == NULL && (device = device_now(self, graph)) == NULL) goto fail;
     if ((frames = take_frames(self->depth)) == NULL) goto fail;
-    if (record(self, graph, be, world, device, pool, frames) < 0) goto fail;
+    {
+        PyObject *g = record(self, graph, be, world, device, pool, frames);
+        if (g == NULL) goto fail;
+        Py_DECREF(g);
+    }
     Py_DECREF(frames);
     Py_DECREF(device);
     Py_DECREF(world);
@@ -422,6 +441,12 @@ static PyMemberDef capture_begin_members[] = {
     {NULL},
 };
 
+static PyMethodDef capture_begin_methods[] = {
+    {"record", (PyCFunction)(void (*)(void))capture_begin_record, METH_FASTCALL,
+     "record(graph, be, device, pool, frames): the entry of a capture begun now, as wrappers.recorder makes it"},
+    {NULL},
+};
+
 static PyGetSetDef capture_begin_getset[] = {
     {"__dict__", PyObject_GenericGetDict, PyObject_GenericSetDict},
     {NULL},
@@ -440,6 +465,7 @@ static PyTypeObject CaptureBeginType = {
     .tp_getattro = PyObject_GenericGetAttr,
     .tp_setattro = PyObject_GenericSetAttr,
     .tp_members = capture_begin_members,
+    .tp_methods = capture_begin_methods,
     .tp_getset = capture_begin_getset,
     .tp_traverse = (traverseproc)capture_begin_traverse,
     .tp_clear = (inquiry)capture_begin_clear,

@@ -413,15 +413,22 @@ def flush(parse, hooks: Hooks, original, host: bool, gate: Any = None):
     gate = FlushGate() if gate is None else gate
     led.flush_watchers.append(gate.arm)
 
+    def waits() -> bool:
+        return bool(pending_keys or (host_dead if host else unflushed or peak))
+
+    def disarm_unless_waiting() -> bool:
+        gate.armed = False  # then read again: what arms it may have come in between
+        if waits():
+            gate.armed = True
+            return False
+        return True
+
     @functools.wraps(original)
     def wrapper(*args, **kwargs):
         if not gate.armed:
             return original(*args, **kwargs)
-        if not (pending_keys or (host_dead if host else unflushed or peak)):
-            gate.armed = False  # then read again: what arms it may have come in between
-            if not (pending_keys or (host_dead if host else unflushed or peak)):
-                return original(*args, **kwargs)
-            gate.armed = True
+        if not waits() and disarm_unless_waiting():
+            return original(*args, **kwargs)
         be = parse(args, kwargs)
         if be is not None and not host and led.peak_bytes:  # a budget's test: read its pools before they go
             led.before_flush(be.world, be.pool_bytes_reader())
@@ -438,6 +445,10 @@ def flush(parse, hooks: Hooks, original, host: bool, gate: Any = None):
                 led.device_flushed(be.world, reader)
             # under expandable segments a released pool with no segment left may still be in the allocator's
             # books (its count of expansions not yet unmapped): it stays dead (sim_expandable.py)
+        # torch.cuda.graph flushes before each capture: the next flush, with nothing left to record, must
+        # pass through the gate, not come here to find that out
+        if not waits():
+            disarm_unless_waiting()
         return out
 
     return wrapper
