@@ -348,7 +348,7 @@ class CUDAGraphRunner:
                     if direct is None:
                         graph.capture_begin(pool=pool_id)
                     else:  # what the sanitizer's wrappers do, without their frames and a stack walk per graph
-                        if direct.dead or direct.pending_keys:
+                        if direct.pending_keys or (direct.dead_ids and pool_id in direct.dead_ids):
                             direct.judge(be, self.device, pool_id)
                         direct.begin(graph, pool_id)
                         entry = direct.record(graph, be, self.device, pool_id, self._frames)

@@ -286,7 +286,7 @@ class DirectCapture:
     originals under the observation layer's capture wrappers, and what those wrappers do, split so the caller
     takes the stack once for all its graphs and judges only where a pool is dead or an event is queued:
 
-        if d.dead or d.pending_keys: d.judge(be, device, pool)
+        if d.pending_keys or (d.dead_ids and pool in d.dead_ids): d.judge(be, device, pool)
         d.begin(graph, pool); g = d.record(graph, be, device, pool, frames)
         ... the capture ...
         d.end(graph); g.captured = True  # (only once the original capture_end returned; if it raised:
@@ -294,12 +294,15 @@ class DirectCapture:
 
     The ledger receives exactly what the wrappers would give it. Valid while both wrappers are the graph
     class's methods (:func:`cudagraph_lifecycle.observe.direct_capture` checks). There is no default-stream
-    check: the caller captures on a side stream of its own (the runner's capture stream)."""
+    check: the caller captures on a side stream of its own (the runner's capture stream). ``pool`` is a tuple,
+    as the dead pools' ids are: only a pool whose id a dead pool carries (on some device or world) is judged,
+    as the capture wrapper does (released pools stay dead until a query settles them)."""
 
     def __init__(self, hooks: Hooks, begin, end, record: Callable[..., GraphEntry]):
         self.begin, self.end, self.record = begin, end, record
         self.hooks = hooks
-        self.dead, self.pending_keys = hooks.ledger.dead, hooks.ledger.pending_keys  # cleared in place, never rebound
+        led = hooks.ledger  # its containers are cleared in place, never rebound
+        self.dead, self.dead_ids, self.pending_keys = led.dead, led.dead.ids, led.pending_keys
 
     def judge(self, be: Backend, device: int, pool: tuple) -> None:
         """What the capture wrapper does before the original: apply queued events about the pool, judge it."""
