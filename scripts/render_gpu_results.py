@@ -131,6 +131,12 @@ def main(folder: str) -> None:
                   f"{wc[flow]['wrapper_us_per_capture']:.1f}; "
                   + ", ".join(f"{k} {v['wrapper_us_median']:.1f} ({v['calls']} calls)" for k, v in calls.items())
                   + " | |")
+            split = {k: v for k, v in calls.items() if "wrapper_us_first_of_round_median" in v}
+            if split:
+                print(f"| wrapper cost, {flow.replace('_', ' ')}: a round's first call / the others (median µs); "
+                      "µs a round | " + ", ".join(
+                          f"{k} {v['wrapper_us_first_of_round_median']:.1f} / {v['wrapper_us_rest_median']:.1f}; "
+                          f"{v['wrapper_us_per_round']:.0f}" for k, v in split.items()) + " | |")
         seg = wc.get("graph_segments")
         if seg:
             for side, row in seg.items():
