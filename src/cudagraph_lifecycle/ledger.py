@@ -222,6 +222,13 @@ def raised_at(exc: BaseException) -> str:
 def is_user_file(filename: str) -> bool:
     """Whether a frame of ``filename`` is the user's code: not the machinery's, not torch's, not the standard
     library's."""
+    return _user_file(filename, "torch" in sys.modules)
+
+
+@functools.lru_cache(maxsize=4096)
+def _user_file(filename: str, torch_imported: bool) -> bool:
+    # cached: a cycle's verdict shows every pool's sites, and finding the standard library (sysconfig) costs
+    # ~0.2 ms a call; torch's place is found another way once it is imported, hence the key
     return not _machinery(filename) and not os.path.abspath(filename).startswith(_library_dirs())
 
 
