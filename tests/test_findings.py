@@ -366,6 +366,25 @@ def test_the_caches_are_not_cleared_while_a_graph_lives():
     san.stop()
 
 
+def test_telling_the_users_frames_reads_where_the_libraries_live_once_a_file(monkeypatch):
+    """A cycle's verdict shows every pool's capture sites, a frame at a time: where the standard library lives
+    (sysconfig, ~0.2 ms a read) is read once for a file, not for every frame shown."""
+    import sysconfig
+
+    from cudagraph_lifecycle import ledger as ledger_module
+
+    reads = []
+    real = sysconfig.get_paths
+    monkeypatch.setattr(sysconfig, "get_paths", lambda *a, **k: reads.append(1) or real(*a, **k))
+    ledger_module._user_file.cache_clear()
+    name = os.path.join(os.path.dirname(__file__), "peer_engines.py")
+    assert ledger_module.is_user_file(name) and reads  # read for this file
+    first = len(reads)
+    assert [ledger_module.is_user_file(name) for _ in range(50)] == [True] * 50 and len(reads) == first
+    assert not ledger_module.is_user_file(os.__file__) and not ledger_module.is_user_file(os.__file__)
+    ledger_module._user_file.cache_clear()  # (the next test reads with the real sysconfig again)
+
+
 def test_findings_carry_the_capture_site_and_the_test():
     be = SimBackend()
     with PoolSanitizer(be) as san:
