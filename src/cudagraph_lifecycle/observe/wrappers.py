@@ -302,7 +302,7 @@ class DirectCapture:
         self.begin, self.end, self.record = begin, end, record
         self.hooks = hooks
         led = hooks.ledger  # its containers are cleared in place, never rebound
-        self.dead, self.dead_ids, self.pending_keys = led.dead, led.dead.ids, led.pending_keys
+        self.dead_ids, self.pending_keys = led.dead.ids, led.pending_keys
 
     def judge(self, be: Backend, device: int, pool: tuple) -> None:
         """What the capture wrapper does before the original: apply queued events about the pool, judge it."""
