@@ -45,3 +45,21 @@ def capture_path_from_env(environ) -> str:
                           "'python' to observe captures in Python only, 'compiled' to require the compiled path "
                           "(an error where it was not built), or unset it")
     return value
+
+
+def compiled_or_python(environ, missing: str | None, what: str) -> str:
+    """``compiled`` or ``python``: what ``CUDAGRAPH_CAPTURE_PATH`` chooses for a part built optionally at
+    install (``what``, as an error names it), ``missing`` saying why it is not there (None where it is);
+    ``compiled`` where it was not built is an error that says why."""
+    from .errors import ConfigError
+
+    chosen = capture_path_from_env(environ)
+    if chosen == "python":
+        return "python"
+    if missing is not None:
+        if chosen == "compiled":
+            raise ConfigError(f"CUDAGRAPH_CAPTURE_PATH=compiled, but {what} was not built ({missing}): reinstall "
+                              "where a C compiler and Python's headers are present (from a clone: pip install "
+                              "--no-deps -e .), or unset the variable")
+        return "python"
+    return "compiled"

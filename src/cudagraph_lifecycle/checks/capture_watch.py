@@ -17,8 +17,7 @@ from typing import Any
 
 import torch
 
-from ..choices import capture_path_from_env
-from ..errors import ConfigError
+from ..choices import capture_path_from_env, compiled_or_python
 
 try:  # the same machinery the simulated allocator uses
     from torch.multiprocessing.reductions import StorageWeakRef
@@ -191,14 +190,6 @@ def describe() -> str:
 def watch_class() -> type[CaptureWatch]:
     """The watch a capture gets: the compiled one where it was built, unless ``CUDAGRAPH_CAPTURE_PATH``
     says ``python`` (``compiled`` where it was not built is an error that says why)."""
-    chosen = capture_path_from_env(os.environ)
-    if chosen == "python":
-        return CaptureWatch
-    if CompiledCaptureWatch is None:
-        if chosen == "compiled":
-            raise ConfigError("CUDAGRAPH_CAPTURE_PATH=compiled, but checked mode's compiled op watch was not "
-                              f"built ({_watch_missing or 'torch has no TorchDispatchMode'}): reinstall where a C "
-                              "compiler and Python's headers are present (from a clone: pip install --no-deps "
-                              "-e .), or unset the variable")
-        return CaptureWatch
-    return CompiledCaptureWatch
+    missing = None if CompiledCaptureWatch is not None else _watch_missing or "torch has no TorchDispatchMode"
+    chosen = compiled_or_python(os.environ, missing, "checked mode's compiled op watch")
+    return CompiledCaptureWatch if chosen == "compiled" else CaptureWatch

@@ -16,8 +16,7 @@ import os
 from typing import Any
 
 from ..backends.base import GraphAPI
-from ..choices import capture_path_from_env
-from ..errors import ConfigError
+from ..choices import capture_path_from_env, compiled_or_python
 from ..ledger import CAPTURE_STACK_DEPTH, GraphEntry
 from . import wrappers
 from .wrappers import TAG, Hooks, begin_failed
@@ -34,16 +33,7 @@ else:
 
 def path() -> str:
     """``compiled`` or ``python``: the capture path the observation layer installs now."""
-    chosen = capture_path_from_env(os.environ)
-    if chosen == "python":
-        return "python"
-    if _capture is None:
-        if chosen == "compiled":
-            raise ConfigError("CUDAGRAPH_CAPTURE_PATH=compiled, but the compiled capture path was not built "
-                              f"({_missing}): reinstall where a C compiler and Python's headers are present "
-                              "(from a clone: pip install --no-deps -e .), or unset the variable")
-        return "python"
-    return "compiled"
+    return compiled_or_python(os.environ, None if _capture is not None else _missing, "the compiled capture path")
 
 
 def describe() -> str:
