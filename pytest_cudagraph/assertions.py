@@ -57,13 +57,20 @@ def check_record(rec: dict, also: list[dict] = ()) -> None:
     __tracebackhide__ = operator.methodcaller("errisinstance", EngineCycleError)  # the engine's failure: the test's line
     if not rec.get("failed"):
         return
+    from cudagraph_lifecycle.record import failing_kinds
+
     who = f"worker pid {rec.get('pid')}" + (f", rank {rec['rank']}" if rec.get("rank") is not None else "")
     pools = ", ".join(str(tuple(p[1])) for p in rec.get("pool_ids") or []) or "none observed"
-    problems = "\n".join(f"- {p['kind']}: {p['message']}" for p in rec.get("problems") or []) or "- (none recorded)"
+    failing = failing_kinds(rec.get("strict", False))
+    # the problems that failed the cycle first: the headline names what failed, not only the pools' verdict
+    ordered = sorted(rec.get("problems") or [], key=lambda p: p["kind"] not in failing)
+    failed_on = list(dict.fromkeys(p["kind"] for p in ordered if p["kind"] in failing)) or ["(no problem recorded)"]
+    problems = "\n".join(f"- {p['kind']}: {p['message']}" for p in ordered) or "- (none recorded)"
     others = [r for r in also if r.get("failed") and r is not rec]
     more = ("\nalso failed: " + ", ".join(f"engine {r['index']}"
                                           + (f" (rank {r['rank']})" if r.get("rank") is not None else "")
                                           + f" ({r.get('verdict', '?')})" for r in others)
             + " (the lifecycle table and the report have each one's problems)") if others else ""
     raise EngineCycleError(
-        f"engine {rec['index']}: verdict {rec.get('verdict', '?')} ({who}; pools {pools}):\n{problems}{more}")
+        f"engine {rec['index']} failed: {', '.join(failed_on)} (pool verdict {rec.get('verdict', '?')}; {who}; "
+        f"pools {pools}):\n{problems}{more}")

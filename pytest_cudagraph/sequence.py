@@ -192,7 +192,9 @@ class EngineSequence:
                     mine += self._merge(rank, recs)
                 self._publish()
                 for rec in [r for r in self.records[start:] if r["index"] == i]:
-                    if rec.get("poisoned"):
+                    # a stale capture ends its process in every sanitizer mode (cycle.ends_here): the next
+                    # engine starts in a fresh one, as it must where the allocator asserted
+                    if rec.get("poisoned") or rec.get("verdict") == "stale":
                         self.worker.restart_before_next_call()
                 if check and any(r.get("failed") for r in self.records[start:] if r["index"] == i):
                     self._snapshot()

@@ -1048,7 +1048,8 @@ class ReusedWorker:
             self._harvested += [{**f, "worker": tag} for f in found] if ok else []
 
     def restart_before_next_call(self) -> None:
-        """The child's CUDA is unusable (the allocator asserted): replace it at the next call."""
+        """The child's CUDA is unusable (the allocator asserted), or a stale capture ended its story (in every
+        sanitizer mode, ``cycle.ends_here``): replace it at the next call."""
         self._needs_restart = True
 
     def close(self) -> None:

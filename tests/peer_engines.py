@@ -3,7 +3,7 @@
 Every engine runs the same small MLP (3 x Linear(256) + ReLU) through CUDA graphs captured for batch sizes
 1, 2, 4 and 8, largest first, and differs only in where its pool handle lives and what ``release()`` does
 with it. Styles (a)-(h) and (k)-(n) use only the ``Backend`` API, so they run on ``sim`` and on ``cuda``;
-(i) and (j) use ``torch.cuda`` / ``torch.compile`` directly and run on ``cuda`` only. (m) runs a second,
+(i), (j) and (o) use ``torch.cuda`` / ``torch.compile`` directly and run on ``cuda`` only. (m) runs a second,
 one-layer draft model beside the MLP (speculative decoding); its result is the MLP's.
 
 The protocol a harness calls: ``capture()``, ``run(x)`` (a view of the static output, sliced to the batch),
@@ -384,6 +384,41 @@ class GraphedCallablesEngine(_MLP):
         self.model = None
 
 
+class GraphedAtBuildEngine:
+    """(o) A training-style model graphed for serving, the way a user first meets make_graphed_callables:
+    ``nn.Sequential`` built with torch's defaults (its weights require grad, as a loaded checkpoint's do),
+    wrapped at construction (no ``capture()``; make_graphed_callables also captures the backward graphs,
+    on autograd's own thread), then run forward only under ``no_grad``. Nothing of ``_MLP`` is reused: it
+    shares no weights layout, stream or helper with the other styles. Release drops the graphed callable
+    and the model. On a cold process its captures are the first matmuls on make_graphed_callables' capture
+    stream, so cuBLAS's workspaces for that stream land in its pool."""
+
+    def __init__(self, backend: Backend):
+        self.device = backend.torch_device(0)
+        torch.manual_seed(7)
+        layers: list[torch.nn.Module] = []
+        for _ in range(LAYERS):
+            layers += [torch.nn.Linear(HIDDEN, HIDDEN, device=self.device), torch.nn.ReLU()]
+        self.model = torch.nn.Sequential(*layers)
+        self.sample = torch.randn(max(BATCH_SIZES), HIDDEN, device=self.device)
+        self.graphed = torch.cuda.make_graphed_callables(self.model, (self.sample,))
+
+    def example_input(self) -> torch.Tensor:
+        return torch.randn(max(BATCH_SIZES), HIDDEN, generator=torch.Generator().manual_seed(5)).to(self.device)
+
+    def eager(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return self.model(x)
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return self.graphed(x)
+
+    def release(self) -> None:
+        self.graphed = None
+        self.model = None
+
+
 class CompiledEngine(_MLP):
     """(j) torch.compile(mode="reduce-overhead"): cudagraph trees record one graph per input shape in their
     own per-device pool. Release drops the compiled model and calls torch._dynamo.reset(), as test suites
@@ -614,6 +649,11 @@ def make_i(backend: Backend) -> GraphedCallablesEngine:
     return GraphedCallablesEngine(backend)
 
 
+def make_o(backend: Backend) -> GraphedAtBuildEngine:
+    _require_cuda(backend, "o", "torch.cuda.make_graphed_callables")
+    return GraphedAtBuildEngine(backend)
+
+
 def make_j(backend: Backend) -> CompiledEngine:
     _require_cuda(backend, "j", 'torch.compile(mode="reduce-overhead")')
     return CompiledEngine(backend)
@@ -637,5 +677,5 @@ def make_n(backend: Backend) -> GcReleasedEngine:
 
 STYLES = {"a": make_a, "b": make_b, "c": make_c, "d": make_d, "e": make_e,
           "f": make_f, "g": make_g, "h": make_h, "i": make_i, "j": make_j,
-          "k": make_k, "l": make_l, "m": make_m, "n": make_n}
+          "k": make_k, "l": make_l, "m": make_m, "n": make_n, "o": make_o}
 SIM_STYLES = "abcdefghklmn"

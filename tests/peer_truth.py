@@ -28,6 +28,13 @@ def plain_sequence(style: str, mode: str, backend: Backend, n: int = 3) -> list[
     """Run ``n`` engines of ``style`` one after another; return one outcome per engine, stopping at the first
     failure. ``mode`` "hold": the caller keeps the previous engine's output (a view into its graph's pool)
     until the next engine has captured; "drop": the caller copies each output out and lets the view go."""
+    return plain_sequence_bytes(style, mode, backend, n)[0]
+
+
+def plain_sequence_bytes(style: str, mode: str, backend: Backend, n: int = 3) -> tuple[list[str], int]:
+    """As :func:`plain_sequence`, and the bytes the graph pools still hold at the end, once the caller let go
+    of the output it held (the copies it kept, ``drop``, stay: a copy's autograd history is the caller's):
+    what the process lost to these engines, read from the allocator alone."""
     if style not in STYLES:
         raise ValueError(f"unknown style {style!r}: choose one of {''.join(STYLES)}")
     if mode not in MODES:
@@ -39,7 +46,8 @@ def plain_sequence(style: str, mode: str, backend: Backend, n: int = 3) -> list[
     for _ in range(n):
         try:
             eng = STYLES[style](backend)
-            eng.capture()
+            if hasattr(eng, "capture"):  # (o) captures as it is built
+                eng.capture()
             if held is not None:
                 held = None
                 gc.collect()
@@ -60,4 +68,9 @@ def plain_sequence(style: str, mode: str, backend: Backend, n: int = 3) -> list[
         backend.empty_cache()
         backend.host_empty_cache()
         outcomes.append("ok")
-    return outcomes
+    held = None
+    gc.collect()
+    backend.synchronize()
+    backend.empty_cache()
+    return outcomes, sum(n for d in range(backend.device_count()) for pool, n in backend.pool_bytes(d).items()
+                         if pool != (0, 0))  # (0, 0): the default pool

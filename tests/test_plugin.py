@@ -183,7 +183,7 @@ def test_timeout(pytester):
 
 def test_leaky_engine_is_leaked_when_the_caller_copies(pytester):
     res = run_failing_sequence(pytester, "leaky, 2, output='drop'")
-    res.stdout.fnmatch_lines(["*EngineCycleError: engine 0: verdict leaked*", "*no output the caller holds pins*",
+    res.stdout.fnmatch_lines(["*EngineCycleError: engine 0 failed: leaked (pool verdict leaked*", "*no output the caller holds pins*",
                               "*test_seq*2.0M*leaked FAILED"])
 
 
@@ -191,9 +191,27 @@ def test_a_sequences_error_names_every_engine_that_failed(pytester):
     """Held outputs are judged a cycle late, so by the end several engines may have failed: the error shows
     the first in full and names the others."""
     res = run_failing_sequence(pytester, "leaky, 3")
-    res.stdout.fnmatch_lines(["*EngineCycleError: engine 0: verdict leaked*",
+    res.stdout.fnmatch_lines(["*EngineCycleError: engine 0 failed: leaked (pool verdict leaked*",
                               "*also failed: engine 1 (leaked), engine 2 (leaked) (the lifecycle table and the report "
                               "have each one's problems)"])
+
+
+def test_the_headline_names_the_failing_problem_before_the_pools_verdict():
+    """A replay that differs from eager fails a cycle whose pools are fresh: the first line says
+    replay_mismatch, and that problem is listed before the ones that did not fail the cycle."""
+    from pytest_cudagraph import EngineCycleError
+    from pytest_cudagraph.assertions import check_record
+
+    rec = {"index": 0, "pid": 1, "verdict": "fresh", "failed": True, "strict": False, "pool_ids": [[0, [0, 1]]],
+           "problems": [{"kind": "reused", "message": "captured into a released id"},
+                        {"kind": "replay_mismatch", "message": "replay differs from eager by 0.5"}]}
+    with pytest.raises(EngineCycleError) as e:
+        check_record(rec)
+    head, first, second = str(e.value).splitlines()[:3]
+    assert head.startswith("engine 0 failed: replay_mismatch (pool verdict fresh;"), head
+    assert first.startswith("- replay_mismatch:") and second.startswith("- reused:")
+    with pytest.raises(EngineCycleError, match=r"^engine 0 failed: reused, replay_mismatch \(pool verdict fresh"):
+        check_record({**rec, "strict": True})  # strict fails reuse too: both named, in order
 
 
 LATE_AND_NOW = """
@@ -240,7 +258,7 @@ def test_a_late_verdict_that_comes_with_a_failing_engine_is_named_first(pytester
     pytester.makepyfile(test_a=LATE_AND_NOW)
     res = run(pytester, "--cudagraph-backend=sim")
     res.assert_outcomes(failed=1)
-    res.stdout.fnmatch_lines(["*EngineCycleError: engine 0: verdict leaked*", "*global `CACHE` of module test_a*",
+    res.stdout.fnmatch_lines(["*EngineCycleError: engine 0 failed: leaked (pool verdict leaked*", "*global `CACHE` of module test_a*",
                               "*also failed: engine 1 (error)*"])
 
 

@@ -469,6 +469,11 @@ class StaleAttempt:
     site: str = ""  # file:line in function of the user's code that began the capture
     refused: bool = False
     minted_site: str = ""  # file:line in function of the user's code that minted the pool's id
+    # what the dead pool held when the capture came (read before the allocator ran it, in every sanitizer
+    # mode, so a refusal and the allocator's assert are explained alike): its reserved bytes, and what pins
+    # its live blocks (``sanitizer.pins.Pin`` as dicts)
+    held_bytes: int = 0
+    pins: tuple = ()
 
     def stacks(self) -> list[str]:
         """Where it began, where its pool was minted and released: each stack under its heading."""
@@ -695,12 +700,14 @@ class Ledger:
             if e is not None and e.minted_at is None:
                 e.minted_at = where
 
-    def stale_attempt(self, e: PoolEntry, where: Stack | None = None, refused: bool = False) -> StaleAttempt:
+    def stale_attempt(self, e: PoolEntry, where: Stack | None = None, refused: bool = False,
+                      facts: tuple[int, tuple] = (0, ())) -> StaleAttempt:
+        """Record a capture into the dead pool ``e``; ``facts``: (held bytes, pins) read just before."""
         attempt = StaleAttempt(
             e.key, self.scope, self.next_seq(), e.owner, str(e.minted_at or ""), str(e.released_at or ""),
             e.device_count <= 0 and e.device_alive, e.host_count <= 0 and e.host_alive, self.test,
             str(where or ""), where.site() if where is not None else "", refused,
-            e.minted_at.site() if isinstance(e.minted_at, Stack) else "")
+            e.minted_at.site() if isinstance(e.minted_at, Stack) else "", *facts)
         self.stale.append(attempt)
         return attempt
 

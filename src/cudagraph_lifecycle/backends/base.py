@@ -290,8 +290,13 @@ class Backend(ABC):
         backend's devices."""
         return None
 
+    # default-pool bytes that clear_library_workspaces made again, over this world's life: an engine cycle
+    # leaves them out of the engine's growth (the tool made them, not the engine)
+    workspace_bytes_remade = 0
+
     def clear_library_workspaces(self) -> bool:
-        """Drop the libraries' cached workspaces (cuBLAS: one per stream). Only while no graph is alive: a live
+        """Drop the libraries' cached workspaces (cuBLAS: one per stream) and make them again outside any
+        capture, adding what that made to :attr:`workspace_bytes_remade`. Only while no graph is alive: a live
         graph may replay into one. True if done."""
         return False
 

@@ -224,8 +224,11 @@ class CudaBackend(Backend):
         fn()
         # made again now, outside any capture (autograd's thread included): otherwise the next capture would
         # make them inside it, in its pool, where the process's first one did
-        for device in range(torch.cuda.device_count()):
+        devices = range(torch.cuda.device_count())
+        before = sum(self.default_pool_reserved(d) for d in devices)
+        for device in devices:
             self.prewarm(device, backward=True)
+        self.workspace_bytes_remade += max(0, sum(self.default_pool_reserved(d) for d in devices) - before)
         return True
 
     def record_history(self, on: bool = True) -> str | None:

@@ -210,8 +210,10 @@ class SimMemPool:
             self._backend._decref_pool(self.id, self.device)
 
     def __del__(self) -> None:  # mirrors ~MemPool
-        with contextlib.suppress(Exception):
+        try:  # (no module global here: at interpreter exit they may be None already)
             self.release()
+        except Exception:
+            pass
 
 
 class _Slot:
@@ -386,8 +388,10 @@ class SimGraph:
         return self._pool
 
     def __del__(self) -> None:  # ~CUDAGraph resets (a failed capture's references stay: measured)
-        with contextlib.suppress(Exception):
+        try:  # (no module global here: at interpreter exit they may be None already)
             self.reset()
+        except Exception:
+            pass
 
 
 def _copy_into_storage(weak: StorageWeakRef, meta: tuple, value: torch.Tensor) -> None:

@@ -20,7 +20,7 @@ from ..sanitizer.pins import graph_holder
 from ..sizes import size_text
 from .caller import OUTPUT_MODES, caller_copy, caller_of
 from .engine import PROTOCOL, Engine, check_pool_ids
-from .record import FAILING, STRICT_FAILING, VERDICTS, CycleRecord, Problem
+from ..record import FAILING, STRICT_FAILING, VERDICTS, CycleRecord, Problem
 from .steps import (
     budget,
     build,
@@ -64,6 +64,14 @@ def _judge_held(be: Backend, caller: Any, label: str, done: list) -> None:
 STREAM_WORKSPACE_HINT = ("; an engine that makes its own stream leaves cuBLAS's workspace for that stream (33 MiB on an "
                          "H100) until torch's pool of streams comes round to it again: make one stream for every "
                          "engine, or call torch._C._cuda_clearCublasWorkspaces() after release once no graph is alive")
+
+
+def ends_here(rec: CycleRecord) -> bool:
+    """Whether judging stops at this cycle: the allocator asserted or torch poisoned the process (nothing more
+    can run on it), or a capture went into a dead pool, where the allocator asserts unless a sanitizer refused
+    it first. A stale cycle ends in every sanitizer mode alike, so the verdicts up to it (and the process the
+    next engine runs in: the plugin replaces its worker) do not depend on whether anything was watching."""
+    return rec.poisoned or rec.verdict == "stale"
 
 
 def _located(e: ConfigError, step: str, label: str) -> ConfigError:
@@ -116,6 +124,7 @@ def run_cycle(
     done: list[CycleRecord] = []
     settle(be)
     default_before, kept_before = be.default_pool_reserved(0), be.default_pool_allocated(0)
+    remade_before = be.workspace_bytes_remade  # workspaces a pins analysis made again are the tool's
     since = ledger.seq
     engine = y = declared = None
     released_left: list = []  # graphs of this engine still captured right after its release()
@@ -131,7 +140,7 @@ def run_cycle(
         refused_on_default_stream(rec, be, since)
         caught_stale(rec, be, since)
         failed_capture(rec, be, since)
-        if rec.poisoned:  # nothing more can run on this allocator: the worker is replaced
+        if ends_here(rec):
             return [r.as_dict() for r in done] + [rec.as_dict()]
         # The caller holds the previous output until this engine has captured: after capture(), or for an
         # engine that captures at its first run (lazily, per batch size), after its runs.
@@ -149,11 +158,11 @@ def run_cycle(
             refused_on_default_stream(rec, be, since)
             caught_stale(rec, be, since)
             failed_capture(rec, be, since)
-            if lazy and not rec.poisoned:
+            if lazy and not ends_here(rec):
                 _judge_held(be, caller, label, done)
             rec.pool_bytes = sum(be.pool_state(k[2], k[1]).reserved_bytes
                                  for k in ledger.pools_of_scope(be.world, label))
-        if engine is not None and not rec.poisoned:
+        if engine is not None and not ends_here(rec):
             try:
                 engine.release()
             except Exception as e:
@@ -161,7 +170,7 @@ def run_cycle(
             released_left = [g for g in ledger.live_graphs(be.world) if g.scope == label]
             if released_left:  # who holds them now, before the engine goes (then nobody can tell)
                 released_holder = graph_holder(released_left)
-    if rec.poisoned:
+    if ends_here(rec):
         return [r.as_dict() for r in done] + [rec.as_dict()]
     kept = y if output == "hold" else (None if y is None else caller_copy(y))
     runner = getattr(getattr(engine, "obj", None), "runner", None)
@@ -170,12 +179,13 @@ def run_cycle(
     settle(be)
     pools = judge(be, rec, kept, output == "hold", declared, released_left, released_holder)
     budget(rec, graph_bytes, max_pool_bytes, max_captures, require_replay)
-    delta = be.default_pool_reserved(0) - default_before
+    remade = be.workspace_bytes_remade - remade_before
+    delta = be.default_pool_reserved(0) - default_before - remade
     # growth is what the engine left behind; the default pool can also shrink over an engine, when memory held
     # from before it goes (library workspaces that torch._dynamo.reset() drops, an earlier engine's caches)
     rec.growth_bytes, rec.freed_earlier_bytes = max(0, delta), max(0, -delta)
     # what it kept in live blocks: a steady leak into segments that have room shows here, not in reserved bytes
-    rec.kept_bytes = max(0, be.default_pool_allocated(0) - kept_before)
+    rec.kept_bytes = max(0, be.default_pool_allocated(0) - kept_before - remade)
     if max_growth is not None and max(rec.growth_bytes, rec.kept_bytes) > max_growth:
         rec.add("growth_over_budget", f"the default pool grew by {size_text(rec.growth_bytes)} of segments and "
                                       f"{size_text(rec.kept_bytes)} of live blocks over this engine, above the "

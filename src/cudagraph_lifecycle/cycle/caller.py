@@ -14,7 +14,7 @@ from typing import Any
 from ..backends import Backend
 from ..ledger import Key
 from ..trees import map_leaves
-from .record import CycleRecord
+from ..record import CycleRecord
 
 OUTPUT_MODES = ("hold", "drop")
 

@@ -35,12 +35,13 @@ from ..errors import (
 )
 from ..ledger import SITES, Key, Stack, graph_sites, ledger, raised_site, shown_traceback
 from ..sanitizer.pins import beyond_output, describe, graph_holder, mempool_notes, what_pins
-from ..sanitizer.stale import pinned_text, pins_of, side_stream_fix
+from ..sanitizer.pins import Pin
+from ..sanitizer.stale import pinned_text, side_stream_fix
 from ..sizes import size_text
 from ..trees import leaves
 from .caller import Caller, caller_copy
 from .engine import Engine
-from .record import CycleRecord
+from ..record import CycleRecord
 
 ASSERT_MARKERS = (TORCH_POOL_ASSERT, "INTERNAL ASSERT FAILED")
 NO_CUDA_MARKERS = ("Torch not compiled with CUDA enabled", "No CUDA GPUs are available", "Found no NVIDIA driver")
@@ -210,13 +211,15 @@ def failed(e: BaseException, rec: CycleRecord, be: Backend, since: int, step: st
             if a is not None:
                 msg += (f" -- a capture into pool {a.key[2]} on device {a.key[1]}"
                         f"{f' at {a.site}' if a.site else ''}{_minted_phrase(a.minted_site)}, dead since its "
-                        f"last graph was released{f' (made by {a.owner})' if a.owner else ''}. {stale_fix(a.owner, a.scope)}; "
+                        f"last graph was released{f' (made by {a.owner})' if a.owner else ''}"
+                        f"{f'; it was pinned: {pinned_text([Pin(**p) for p in a.pins])}' if a.pins else ''}. "
+                        f"{stale_fix(a.owner, a.scope)}; "
                         f"{SANITIZER_STOPS_IT}\n" + "".join(a.stacks()))
         # the refusal's facts as data too (what pins the pool, the bytes it holds, where it was captured,
         # minted and released): a gate reads the fields, not the message
-        rec.add("stale", msg, getattr(stale, "held_bytes", 0),
+        rec.add("stale", msg, getattr(stale, "held_bytes", a.held_bytes if a is not None else 0),
                 getattr(stale, "stacks", None) or (a.stacks() if a is not None else []),
-                getattr(stale, "pins", None),
+                getattr(stale, "pins", None) or (list(a.pins) if a is not None else []),
                 sites=[a.site, a.minted_site] if a is not None else [getattr(stale, "site", "")])
         return
     hint = ""
@@ -296,13 +299,12 @@ def caught_stale(rec: CycleRecord, be: Backend, since: int) -> None:
         rec.poisoned = True
     what = ("the sanitizer refused it (StalePoolError)" if a.refused else
             "the allocator asserted ('use_count > 0 INTERNAL ASSERT FAILED') and the process is poisoned")
-    pins, held = [], 0
-    if a.refused:  # the process is fine: ask what keeps the dead pool alive, as the error the engine caught did
-        st = be.pool_state(a.key[2], a.key[1])
-        held = st.reserved_bytes
-        if st.allocated_bytes:
-            pins = pins_of(be, a)
-            what += f"; the pool is pinned: {pinned_text(pins)}"
+    # what kept the dead pool, read as the capture came (in every mode: the allocator's assert is explained
+    # as the sanitizer's refusal is)
+    pins, held = [Pin(**p) for p in a.pins], a.held_bytes
+    if pins:
+        what += f"; the pool was pinned: {pinned_text(pins)}"
+    if a.refused:
         what += "".join(f"; {note}" for note in mempool_notes([a.key]).values())
     rec.add("stale", f"a capture into stale pool {a.key[2]} on device {a.key[1]} at {a.site or '(unknown)'}"
                      f"{_minted_phrase(a.minted_site)}, whose "

@@ -27,6 +27,9 @@ __tracebackhide__ = True
 # A judge decides what a capture into a dead pool does before the allocator sees it (raise, or let it
 # through): world -> the judges registered for it, the last one rules.
 Judge = Callable[[Any], None]
+# What a dead pool holds when a capture comes into it: (backend, key) -> (reserved bytes, pins as dicts).
+# Registered by the sanitizer's package (it knows how to name holders); asked in every mode, judges or not.
+Explain = Callable[[Backend, tuple], tuple[int, tuple]]
 
 
 class Hooks:
@@ -36,6 +39,7 @@ class Hooks:
         self.ledger = ledger
         self.judges = judges
         self.worlds: set = set()
+        self.explain: Explain | None = None
         self._entries: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graphs that take no attribute
         self._gone = self._graph_gone  # one bound method for every entry (captures are timed)
 
@@ -49,9 +53,9 @@ class Hooks:
         self.worlds.add(be.world)
         weakref.finalize(be, self.ledger.forget_world, be.world)
 
-    def judge(self, world: Any, device: int, pool: tuple) -> None:
+    def judge(self, be: Backend, device: int, pool: tuple) -> None:
         """A capture into ``pool``: record and judge it if the pool is dead."""
-        led = self.ledger
+        led, world = self.ledger, be.world
         e = led.dead.get((world, device, pool))
         if e is not None and led.maybe_erased(e):  # a flush since its release may have erased it: read the books
             led.settle(world)
@@ -60,8 +64,10 @@ class Hooks:
             return
         rules = self.judges.get(world)
         where = Stack.here(2)  # only where a pool is dead: off the common path
+        # what pins it, read now: with no judge the allocator asserts next, and nothing can be read after
+        facts = self.explain(be, e.key) if self.explain is not None and e.device_count <= 0 else (0, ())
         with led.lock:
-            attempt = led.stale_attempt(e, where, bool(rules))
+            attempt = led.stale_attempt(e, where, bool(rules), facts)
         if rules:
             rules[-1](attempt)
 
@@ -234,7 +240,7 @@ def capture_begin(api: GraphAPI, hooks: Hooks, original, record: Callable[..., G
                     with led.lock:
                         led.drain()
                 if key in dead:
-                    hooks.judge(*key)
+                    hooks.judge(be, device, pool)
         # where a judge rules, a capture on the default stream is refused before torch poisons random ops
         rules = judges.get(be.world) if judges else None
         if rules:
@@ -309,7 +315,7 @@ class DirectCapture:
         led, key = self.hooks.ledger, (be.world, device, tuple(pool))
         led.drain_before_capture(key)
         if key in led.dead:
-            self.hooks.judge(*key)
+            self.hooks.judge(be, device, key[2])
 
 
 def capture_end(api: GraphAPI, hooks: Hooks, original):
@@ -477,7 +483,7 @@ def pool_reference(parse, hooks: Hooks, original):
             if led.pending:
                 led.drain_before_capture((be.world, device, pool))
             if led.dead:
-                hooks.judge(be.world, device, pool)
+                hooks.judge(be, device, pool)
         out = original(*args, **kwargs)
         led.pool_reference(be.world, device, pool, delta, Stack.here())
         return out

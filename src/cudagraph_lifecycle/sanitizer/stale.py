@@ -35,7 +35,9 @@ def stale_error(backend: Backend, attempt: StaleAttempt) -> StalePoolError:
         st = backend.pool_state(pool_id, device)
         held = st.reserved_bytes
         if st.allocated_bytes:
-            pins = pins_of(backend, attempt)
+            from .pins import Pin
+
+            pins = [Pin(**p) for p in attempt.pins]  # read at the attempt (explain), as in every mode
         why.append(
             f"the device allocator still holds it ({size_text(st.reserved_bytes)} in {st.segments} segment(s)"
             + (f": {pinned_text(pins)})" if st.allocated_bytes else
@@ -59,19 +61,25 @@ def stale_error(backend: Backend, attempt: StaleAttempt) -> StalePoolError:
     return err
 
 
-def pins_of(backend: Backend, attempt: StaleAttempt) -> list:
-    """Who holds the live blocks of the dead pool (asked on the way to raising, and for a refused capture the
-    engine caught): :class:`~.pins.Pin` records, empty where no holder could be named."""
+def explain(backend: Backend, key: tuple) -> tuple[int, tuple]:
+    """What a dead pool holds as a capture comes into it: its reserved bytes and, where blocks of it live,
+    who pins them (``Pin`` dicts). Asked by the observation layer before the allocator runs the capture, in
+    every mode (with no sanitizer the allocator asserts next, and nothing can be read after); changes
+    nothing (no library workspace is cleared to find a holder)."""
     from .pins import what_pins
 
+    st = backend.pool_state(key[2], key[1])
+    if not st.allocated_bytes:
+        return st.reserved_bytes, ()
     try:
-        return what_pins(backend, [attempt.key], clear_workspaces=False)  # explain, change nothing
+        pins = what_pins(backend, [key], clear_workspaces=False)
     except Exception:  # naming the holder must never replace the error it explains
-        return []
+        pins = []
+    return st.reserved_bytes, tuple(p.as_dict() for p in pins)
 
 
 def pinned_text(pins: list) -> str:
-    """What :func:`pins_of` found, in words."""
+    """What :func:`explain` found, in words."""
     from .pins import describe
 
     return describe(pins) if pins else "a live tensor from its captures pins it"

@@ -29,6 +29,11 @@ FAILING = ("stale", "leaked", "graphs_not_reset", "replay_mismatch", "replay_che
 STRICT_FAILING = ("reused", "pool_ids_mismatch", "release_incomplete", "sanitizer")
 
 
+def failing_kinds(strict: bool) -> frozenset[str]:
+    """The problem kinds that fail a cycle, in strict mode or not."""
+    return frozenset(FAILING) | (frozenset(STRICT_FAILING) if strict else frozenset())
+
+
 @dataclass
 class Problem:
     kind: str
@@ -98,8 +103,7 @@ class CycleRecord:
             self.verdict = "held"
         else:
             self.verdict = "fresh"
-        failing = set(FAILING) | (set(STRICT_FAILING) if self.strict else set())
-        self.failed = bool(kinds & failing)
+        self.failed = bool(kinds & failing_kinds(self.strict))
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
