@@ -26,8 +26,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench.bench_runner import launch_bound_model  # noqa: E402
 from bench.common import emit, pinned_pools  # noqa: E402
+from bench.models import launch_bound_model  # noqa: E402
 from cudagraph_lifecycle import CUDAGraphRunner, PoolSanitizer, get_backend  # noqa: E402
 from cudagraph_lifecycle.backends import graph_apis  # noqa: E402
 

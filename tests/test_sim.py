@@ -177,17 +177,20 @@ def test_wait_stream_orders_nothing_outside_a_capture_and_refuses_a_fork_inside_
 
 def test_a_sim_graph_alive_at_interpreter_exit_says_nothing(tmp_path):
     """At exit a module's globals may be None before a graph or MemPool still alive is destroyed: their
-    destructors must not print 'Exception ignored in ...' (here the module's contextlib is gone first)."""
+    destructors must not print 'Exception ignored in ...' (here every global of the modules that define them is gone first)."""
     import subprocess
     import sys
 
     prog = tmp_path / "exit.py"
     prog.write_text(
         "import cudagraph_lifecycle.backends.sim as sim\n"
+        "import cudagraph_lifecycle.backends.sim_graph as sim_graph\n"
         "be = sim.SimBackend()\n"
         "KEEP = [be.new_graph(), be.mempool(0)]\n"
         "with be.graph(KEEP[0], stream=be.new_stream(0)):\n"
         "    KEEP.append(be.empty(4) * 2)\n"
-        "sim.contextlib = None  # as interpreter shutdown leaves a module's globals\n")
+        "for mod in (sim, sim_graph):  # as interpreter shutdown leaves a module's globals\n"
+        "    for name in [n for n in vars(mod) if not n.startswith('__')]:\n"
+        "        setattr(mod, name, None)\n")
     out = subprocess.run([sys.executable, str(prog)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "Exception ignored" not in out.stderr, out.stderr

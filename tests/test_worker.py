@@ -12,6 +12,8 @@ import pytest
 from test_faults_worker import gone, nap
 
 import pytest_cudagraph.worker as worker_module
+import pytest_cudagraph.worker_process as process_module
+import pytest_cudagraph.worker_protocol as protocol_module
 from pytest_cudagraph.worker import (
     RemoteError,
     ReusedWorker,
@@ -226,7 +228,7 @@ def test_a_function_of_main_travels_by_reference_only_to_a_child_that_has_it(mon
         # the child has ``apply`` but not what it is given: the whole call travels by value
         assert w.call(apply, _in_main(_returning("late"), "cudagraph_late")) == "late"
         # a child started after the parent initialized CUDA is spawned: nothing of __main__ goes by reference
-        monkeypatch.setattr(worker_module, "cuda_initialized", lambda: True)
+        monkeypatch.setattr(process_module, "cuda_initialized", lambda: True)
         w.restart_before_next_call()
         assert w.call(apply, os.getpid) == w.pid and w.start_method == "spawn"
 
@@ -248,7 +250,7 @@ def test_the_pipe_keeps_connections_framing():
     import struct
 
     a, b = socket.socketpair()
-    ours = worker_module._Reader(b.fileno())
+    ours = protocol_module._Reader(b.fileno())
     theirs = multiprocessing.connection.Connection(os.dup(a.fileno()))
     try:
         # several messages in one write, the long form of the size header (Connection's for > 2 GiB)
@@ -260,7 +262,7 @@ def test_the_pipe_keeps_connections_framing():
         assert ours.recv() == big
         sender.join()
         for n in (5, 20_000):
-            worker_module._send_message(b.fileno(), b"x" * n)
+            protocol_module._send_message(b.fileno(), b"x" * n)
             assert theirs.recv_bytes() == b"x" * n
         # a read that times out keeps what had come: the next recv() goes on from there
         b.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 50_000))
@@ -421,7 +423,7 @@ def test_a_restart_after_the_parent_initialized_cuda_spawns(monkeypatch):
     with ReusedWorker(timeout=60) as w:
         assert w.start_method == "fork"
         w.call(bump)
-        monkeypatch.setattr(worker_module, "cuda_initialized", lambda: True)  # as if a test used the GPU here
+        monkeypatch.setattr(process_module, "cuda_initialized", lambda: True)  # as if a test used the GPU here
         w.restart_before_next_call()
         assert w.call(bump)[0] == 1  # a new child
         assert w.start_method == "spawn" and "initialized CUDA" in w.reason
@@ -430,7 +432,7 @@ def test_a_restart_after_the_parent_initialized_cuda_spawns(monkeypatch):
 def test_fork_asked_for_is_refused_at_a_restart_after_cuda_init(monkeypatch):
     with ReusedWorker(start_method="fork", timeout=60, name="engines") as w:
         w.call(bump)
-        monkeypatch.setattr(worker_module, "cuda_initialized", lambda: True)
+        monkeypatch.setattr(process_module, "cuda_initialized", lambda: True)
         w.restart_before_next_call()
         refused = ("worker engines cannot start: start method 'fork' was asked for, but this process already "
                    "initialized CUDA.*Use 'spawn' or 'auto'")
@@ -645,7 +647,7 @@ def test_forking_a_process_with_threads_is_warned_once_with_what_to_do(monkeypat
     the option that avoids the fork; any other warning raised by the start passes on unchanged."""
     import warnings
 
-    monkeypatch.setattr(worker_module, "_THREADS_WARNED", False)
+    monkeypatch.setattr(process_module, "_THREADS_WARNED", False)
     fork_warning = "This process (pid=1) is multi-threaded, use of fork() may lead to deadlocks in the child."
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
@@ -653,13 +655,13 @@ def test_forking_a_process_with_threads_is_warned_once_with_what_to_do(monkeypat
         warnings.warn("another", UserWarning, stacklevel=1)
     with warnings.catch_warnings(record=True) as shown:
         warnings.simplefilter("always")
-        worker_module._warn_forked_with_threads(said)
-        worker_module._warn_forked_with_threads(said[:1])  # a second fork: nothing more
+        process_module._warn_forked_with_threads(said)
+        process_module._warn_forked_with_threads(said[:1])  # a second fork: nothing more
     texts = [(w.category, str(w.message)) for w in shown]
     assert texts[1] == (UserWarning, "another") and len(texts) == 2, texts
     assert texts[0][0] is RuntimeWarning and "--cudagraph-start-method=spawn" in texts[0][1], texts
     assert "Python's: MainThread" in texts[0][1], texts
-    monkeypatch.setattr(worker_module, "_THREADS_WARNED", False)
+    monkeypatch.setattr(process_module, "_THREADS_WARNED", False)
     with warnings.catch_warnings():  # warnings made errors (filterwarnings = error): nothing escapes
         warnings.simplefilter("error")
-        worker_module._warn_forked_with_threads(said)
+        process_module._warn_forked_with_threads(said)

@@ -3,59 +3,36 @@
 The runner holds the whole lifecycle in one place, so no graph, buffer, output or pool id can outlive it:
 keys, warmup, capture (largest batch first, one pool, one stream), padding, replay, eager fallback, and a
 release that resets every graph, drops every buffer and retires the pool, then checks the allocator's books.
+This module builds, captures and releases; which graph serves a batch and its replay are ``runner_keys``'s
+(``KeyedReplay``); its counters, the release's report and the address check are ``runner_stats``'s.
 """
 
 from __future__ import annotations
 
-import bisect
 import time
 import traceback
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
 from . import checks, observe
-from .backends import Backend, PoolId, PoolState, get_backend
-from .errors import (
-    CapturedAddressError,
-    ConfigError,
-    GraphInputError,
-    PoolNotReleasedError,
-    RunnerReleasedError,
-)
+from .backends import Backend, PoolId, get_backend
+from .errors import ConfigError, PoolNotReleasedError, RunnerReleasedError
 from .ledger import capture_frames
 from .pool import LazyPool
-from .trees import leaves, map_leaves
+from .runner_keys import (
+    ExtraKey,
+    KeyedReplay,
+    _unsliceable,
+    validate_batch_sizes,
+    validate_extra_keys,
+    validate_feature_shape,
+)
+from .runner_stats import FALLBACK_REASONS, ReleaseReport, RunnerReports, RunnerStats
 
-FALLBACK_REASONS = ("batch_over_max", "key_not_captured", "disabled", "capture_failed")
-
-ExtraKey = tuple[tuple[str, Any], ...]
-
-
-def _extra_key(extra: Mapping[str, Any], where: str = "extra key") -> ExtraKey:
-    for name, value in extra.items():
-        try:
-            hash(value)
-        except TypeError:
-            raise ConfigError(
-                f"{where} {name}={value!r} is a {type(value).__name__}, which cannot key a graph: use a hashable "
-                "value (int, str, tuple)"
-            ) from None
-    return tuple(sorted(extra.items()))
-
-
-def _unsliceable(out: Any, bs: int) -> ConfigError | None:
-    """Outputs are sliced back to the batch along dim 0: one that has no batch dim cannot be."""
-    for i, t in enumerate(t for t in leaves(out) if isinstance(t, torch.Tensor)):
-        if t.dim() == 0 or t.shape[0] != bs:
-            return ConfigError(
-                f"forward returned output #{i} of shape {tuple(t.shape)} for a batch of {bs}: the runner slices "
-                "outputs back to the batch along dim 0, so every output needs the batch as its first dim "
-                "(return per-row values; reduce outside the graph)")
-    return None
+__all__ = ["FALLBACK_REASONS", "CUDAGraphRunner", "ExtraKey", "ReleaseReport", "RunnerStats", "validate_batch_sizes"]
 
 
 def _drop_frames(exc: BaseException | None) -> None:
@@ -68,72 +45,19 @@ def _drop_frames(exc: BaseException | None) -> None:
         exc = exc.__context__ or exc.__cause__
 
 
-def validate_batch_sizes(batch_sizes: Iterable[int]) -> list[int]:
-    try:
-        sizes = list(batch_sizes)
-    except TypeError:
-        raise ConfigError(
-            f"batch_sizes must be an iterable of positive ints, got {batch_sizes!r}: e.g. batch_sizes=[1, 2, 4, 8]"
-        ) from None
-    if not sizes:
-        raise ConfigError("batch_sizes is empty: give at least one positive int, e.g. batch_sizes=[1, 2, 4, 8]")
-    bad = [b for b in sizes if not isinstance(b, int) or isinstance(b, bool)]
-    if bad:
-        raise ConfigError(f"batch_sizes must be ints, got {bad!r}: convert them, e.g. [int(b) for b in sizes]")
-    nonpos = [b for b in sizes if b <= 0]
-    if nonpos:
-        raise ConfigError(f"batch_sizes must be positive, got {nonpos!r}: drop sizes <= 0")
-    dups = sorted({b for b in sizes if sizes.count(b) > 1})
-    if dups:
-        raise ConfigError(f"batch_sizes has duplicates {dups!r}: list each size once")
-    return sorted(sizes)
+def _check_options(warmup: Any, recheck_every: Any, watch: Any, dtype: Any) -> None:
+    if not isinstance(warmup, int) or warmup < 0:
+        raise ConfigError(f"warmup must be an int >= 0, got {warmup!r}")
+    if isinstance(recheck_every, bool) or not isinstance(recheck_every, int) or recheck_every < 1:
+        raise ConfigError(f"recheck_every must be an int >= 1 (1 checks every replay), got {recheck_every!r}")
+    if watch not in ("each", "largest"):
+        raise ConfigError(f"watch must be 'each' (every capture watched op by op) or 'largest' (the largest batch "
+                          f"of each extra key), got {watch!r}")
+    if not isinstance(dtype, torch.dtype):
+        raise ConfigError(f"dtype must be a torch.dtype, got {dtype!r}")
 
 
-@dataclass
-class RunnerStats:
-    captures: int = 0
-    capture_failures: int = 0
-    replays: int = 0
-    fallbacks: dict[str, int] = field(default_factory=dict)
-    pool_id: PoolId | None = None
-    pool_bytes: int = 0
-    capture_ms: float = 0.0
-    failures: list[str] = field(default_factory=list)
-    graph_bytes: dict[str, int] = field(default_factory=dict)  # "batch {extra}": pool bytes its capture added
-
-    def as_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["pool_id"] = None if self.pool_id is None else list(self.pool_id)
-        return d
-
-
-@dataclass(frozen=True)
-class ReleaseReport:
-    """What the allocator's books say after a release: ``clean`` when no segment of the pool is left."""
-
-    pools: tuple[PoolState, ...]
-    reserved_before: int
-    reserved_after: int
-
-    @property
-    def clean(self) -> bool:
-        return all(s.reserved_bytes == 0 for s in self.pools)
-
-    @property
-    def pinned_bytes(self) -> int:
-        return sum(s.reserved_bytes for s in self.pools)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "pools": [s.as_dict() for s in self.pools],
-            "reserved_before": self.reserved_before,
-            "reserved_after": self.reserved_after,
-            "clean": self.clean,
-            "pinned_bytes": self.pinned_bytes,
-        }
-
-
-class CUDAGraphRunner:
+class CUDAGraphRunner(KeyedReplay, RunnerReports):
     """Captures ``forward(x, **extra)`` once per key and replays it.
 
     Args:
@@ -196,27 +120,9 @@ class CUDAGraphRunner:
             raise ConfigError(f"forward must be callable, got {type(forward).__name__}")
         self.forward = forward
         self.batch_sizes = validate_batch_sizes(batch_sizes)
-        try:
-            self.feature_shape = tuple(int(d) for d in feature_shape)
-        except (TypeError, ValueError):
-            raise ConfigError(f"feature_shape must be a tuple of ints, got {feature_shape!r}") from None
-        if any(d <= 0 for d in self.feature_shape):
-            raise ConfigError(f"feature_shape must hold positive sizes, got {self.feature_shape}")
-        if not isinstance(warmup, int) or warmup < 0:
-            raise ConfigError(f"warmup must be an int >= 0, got {warmup!r}")
-        if isinstance(recheck_every, bool) or not isinstance(recheck_every, int) or recheck_every < 1:
-            raise ConfigError(f"recheck_every must be an int >= 1 (1 checks every replay), got {recheck_every!r}")
-        if watch not in ("each", "largest"):
-            raise ConfigError(f"watch must be 'each' (every capture watched op by op) or 'largest' (the largest batch "
-                              f"of each extra key), got {watch!r}")
-        if not isinstance(dtype, torch.dtype):
-            raise ConfigError(f"dtype must be a torch.dtype, got {dtype!r}")
-        extra = [{}] if extra_keys is None else [dict(e) for e in extra_keys]
-        if not extra:
-            raise ConfigError("extra_keys is empty: leave it None for no extra key fields, or give [{...}, ...]")
-        self.extra_keys = [_extra_key(e, f"extra_keys[{i}]") for i, e in enumerate(extra)]
-        if len(set(self.extra_keys)) != len(self.extra_keys):
-            raise ConfigError(f"extra_keys has duplicates: {extra!r}")
+        self.feature_shape = validate_feature_shape(feature_shape)
+        _check_options(warmup, recheck_every, watch, dtype)
+        self.extra_keys = validate_extra_keys(extra_keys)
         self.backend = pool.backend if pool is not None else get_backend(backend)
         self.device = self.backend.check_device(device)
         self.dtype = dtype
@@ -273,7 +179,7 @@ class CUDAGraphRunner:
             self._static_in = torch.zeros((self.batch_sizes[-1], *self.feature_shape), dtype=self.dtype, device=dev)
             self._stream = self.backend.capture_stream(self.device)
             self._frames = capture_frames()  # where this capture was asked for: one stack for all its graphs
-            self._watched = (({}, checks.named_tensors(self._names), checks.watch_class())
+            self._watched = (({}, checks.named_tensors(self._names), checks.CaptureWatch)
                              if "capture" in self.checks else None)
             pool_id, dead = self._take_pool(), False
             for bs in reversed(self.batch_sizes):
@@ -409,81 +315,6 @@ class CUDAGraphRunner:
         self._stats.captures += 1
         return True
 
-    def _validate(self, x: torch.Tensor) -> int:
-        if not isinstance(x, torch.Tensor):
-            raise GraphInputError(f"input must be a torch.Tensor, got {type(x).__name__}")
-        if x.dim() != 1 + len(self.feature_shape) or tuple(x.shape[1:]) != self.feature_shape:
-            raise GraphInputError(
-                f"input shape {tuple(x.shape)} does not fit runner {self.name!r}: expected (batch, "
-                f"{', '.join(map(str, self.feature_shape))}); reshape the input or build the runner "
-                f"with feature_shape={tuple(x.shape[1:])}"
-            )
-        if x.shape[0] == 0:
-            raise GraphInputError("input batch is 0: skip the step, a graph cannot run an empty batch")
-        if x.dtype != self.dtype:
-            raise GraphInputError(f"input dtype {x.dtype} != runner dtype {self.dtype}: cast with x.to({self.dtype})")
-        dev = self.backend.torch_device(self.device)
-        if x.device.type != dev.type or (dev.index is not None and x.device.index != dev.index):
-            raise GraphInputError(f"input on {x.device}, runner on {dev}: move it with x.to('{dev}')")
-        return int(x.shape[0])
-
-    def _eager(self, x: torch.Tensor, kwargs: dict, reason: str) -> Any:
-        self._fallbacks[reason] += 1
-        with torch.no_grad():
-            return self.forward(x, **kwargs)
-
-    def graph_size_for(self, batch: int) -> int | None:
-        """The captured batch size that serves ``batch`` (smallest >= batch), or None if it is too large."""
-        i = bisect.bisect_left(self.batch_sizes, batch)
-        return self.batch_sizes[i] if i < len(self.batch_sizes) else None
-
-    def run(self, x: torch.Tensor, **extra: Any) -> Any:
-        """One step: replay the graph for ``x``'s batch and key, or fall back to eager (counted by reason)."""
-        self._check_live()
-        b = self._validate(x)
-        if not self.enabled:
-            return self._eager(x, extra, "disabled")
-        if not self._captured:
-            self.capture()
-        try:
-            ekey = _extra_key(extra, "run() keyword")
-        except ConfigError as e:
-            raise GraphInputError(str(e)) from None
-        if ekey in self._failed:
-            return self._eager(x, extra, "capture_failed")
-        if ekey not in self.extra_keys:
-            return self._eager(x, extra, "key_not_captured")
-        bs = self.graph_size_for(b)
-        if bs is None:
-            return self._eager(x, extra, "batch_over_max")
-        graph, out = self._graphs[(bs, ekey)]
-        self._static_in[:b].copy_(x)
-        if self._guard is not None:
-            self._guard.replaying((bs, ekey))
-        if self._poison and self._due((bs, ekey, b)):
-            checks.checked_replay(graph, self._static_in, b, bs, out, self.pad_value,
-                                  f"runner {self.name!r}, batch {b} on the batch-{bs} graph")
-        else:
-            if b < bs:
-                self._static_in[b:bs].fill_(self.pad_value)
-            graph.replay()
-        self._stats.replays += 1
-        if self.copy_outputs:
-            return map_leaves(lambda t: t[:b].clone() if isinstance(t, torch.Tensor) else t, out)
-        if self._guard is not None:
-            guard, key = self._guard, (bs, ekey)
-            return map_leaves(lambda t: guard.hand_out(key, t[:b]) if isinstance(t, torch.Tensor) else t, out)
-        return map_leaves(lambda t: t[:b] if isinstance(t, torch.Tensor) else t, out)
-
-    __call__ = run
-
-    def _due(self, key: tuple) -> bool:
-        """Is this replay of (graph, real batch) one the padding check proves? Its first, then every
-        ``recheck_every``-th: a pair's padding behaviour is a property of the captured ops, so proving every
-        replay would double the step for what the first proof already showed."""
-        n = self._replays_of[key]
-        self._replays_of[key] = n + 1
-        return n % self.recheck_every == 0
 
     def release(self, strict: bool = False) -> ReleaseReport:
         """Reset every graph, drop buffers and outputs, retire the pool, then read the allocator's books.
@@ -516,49 +347,8 @@ class CUDAGraphRunner:
             )
         return report
 
-    def check_addresses(self, raise_: bool = True) -> list[str]:
-        """Every tensor a graph read at capture (weights, static inputs, caches) that died or moved since:
-        name (where ``names`` knows it), old and new address, the graphs that read it. Raises
-        :class:`CapturedAddressError` listing them (``raise_=False``: returns them). Needs the ``capture`` check."""
-        if "capture" not in self.checks:
-            raise ConfigError(f"runner {self.name!r}: check_addresses() needs checked=True or a checked list with "
-                              f"'capture' (checked={sorted(self.checks)!r}): the capture then records what each "
-                              "graph reads")
-        found = self._addresses.problems(checks.named_tensors(self._names))
-        if found and raise_:
-            raise CapturedAddressError(f"runner {self.name!r}: {len(found)} captured tensor(s) died or moved since "
-                                       "the capture:\n" + "\n".join(f"- {p}" for p in found))
-        return found
-
     def __enter__(self) -> CUDAGraphRunner:
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.release()
-
-    # introspection
-    @property
-    def released(self) -> bool:
-        return self._released
-
-    @property
-    def keys(self) -> list[tuple[int, dict]]:
-        return [(bs, dict(ekey)) for bs, ekey in self._graphs]
-
-    @property
-    def pool_ids(self) -> list[tuple[int, PoolId]]:
-        return list(self._pool_ids)
-
-    @property
-    def stats(self) -> RunnerStats:
-        s = self._stats
-        s.fallbacks = {r: self._fallbacks[r] for r in FALLBACK_REASONS if self._fallbacks[r]}
-        if s.pool_id is not None:
-            s.pool_bytes = self.backend.pool_state(s.pool_id, self.device).reserved_bytes
-        return s
-
-    def outputs_alive(self) -> int:
-        """How many static output tensors the runner still holds (0 after release)."""
-        return sum(
-            1 for _, out in self._graphs.values() for t in leaves(out) if isinstance(t, torch.Tensor)
-        )

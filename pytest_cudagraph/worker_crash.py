@@ -1,0 +1,203 @@
+"""Crash reports: a child that died or hung during a call becomes a :class:`WorkerCrashed` or a
+:class:`WorkerTimeout` that says why, from what the child left behind: its exit code or signal, the
+faulthandler dump in its stderr (the innermost frames, the lines that name a cause), the allocator's
+message, and the teardown hazards its ledger wrote to ``CUDAGRAPH_HAZARD_FILE`` before it died."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+import time
+
+from cudagraph_lifecycle.sizes import size_text
+
+from .worker_protocol import POISON_MARKERS, WorkerError
+
+HAZARD_VAR = "CUDAGRAPH_HAZARD_FILE"  # where the child's ledger writes teardown hazards as they happen
+
+_CAUSE = re.compile(r"terminate called|terminating due to|what\(\)|Fatal Python error|INTERNAL ASSERT|"
+                    r"Error:|Exception|Segmentation fault|Aborted|died during the call")
+
+
+class WorkerCrashed(WorkerError):
+    """The child died during a call: signal or exit code, the tail of its stderr, and the teardown hazards
+    the sanitizer recorded in it before (``hazards``: dicts with pool_id, live_bytes, reset_site, test)."""
+
+    __module__ = "pytest_cudagraph.worker"  # named as it is imported, in tracebacks too
+
+    def __init__(self, message: str, exitcode: int | None, stderr_tail: str, hazards: list[dict] | None = None):
+        super().__init__(message)
+        self.exitcode = exitcode
+        self.stderr_tail = stderr_tail
+        self.hazards = list(hazards or [])
+
+
+class WorkerTimeout(WorkerError):
+    """A call ran past the timeout; the worker and everything it started were killed."""
+
+    __module__ = "pytest_cudagraph.worker"  # named as it is imported, in tracebacks too
+
+
+def read_stderr(path: str | None) -> str:
+    """The child's whole stderr (its file), or "" where there is none."""
+    if not path or not os.path.exists(path):
+        return ""
+    with open(path, errors="replace") as f:
+        return f.read()
+
+
+def tail_of(text: str, lines: int = 20) -> str:
+    return "".join(text.splitlines(keepends=True)[-lines:])
+
+
+def cause_lines(text: str, limit: int = 8) -> list[str]:
+    """The lines of a child's whole stderr that name a cause (a tail misses them under a long stack)."""
+    return [ln.rstrip() for ln in text.splitlines() if _CAUSE.search(ln)][-limit:]
+
+
+_DUMPED_FRAME = re.compile(r'^\s+File "(.+)", line \d+ in ')  # a frame as faulthandler dumps it
+
+
+def _without_pytest_frames(text: str) -> str:
+    """A faulthandler dump without pytest's and pluggy's frames (a forked worker's stack holds the pytest
+    session it was forked from, below the call): the user's frames and ours (where a rank runs the call)
+    stay, and a count of the rest."""
+    dirs = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
+                 for m in (sys.modules.get(n) for n in ("_pytest", "pytest", "pluggy")) if getattr(m, "__file__", None))
+    kept, dropped = [], 0
+    for line in text.splitlines(keepends=True):
+        m = _DUMPED_FRAME.match(line)
+        if dirs and m and os.path.abspath(m.group(1)).startswith(dirs):
+            dropped += 1
+            continue
+        kept.append(line)
+    return "".join(kept) + (f"  ({dropped} frames of pytest left out)\n" if dropped else "")
+
+
+_FRAME = re.compile(r'^\s*File "(?P<file>.*)", line (?P<line>\d+) in (?P<func>.*)$')
+
+
+def crash_frames(stderr: str, limit: int = 10) -> list[str]:
+    """The innermost ``limit`` frames of the crashing thread in the last faulthandler dump of a fatal error
+    in ``stderr``, as ``file:line in function``.
+
+    faulthandler prints the stack most recent call FIRST, so the tail of stderr shows only the outermost
+    frames (pytest, pluggy, the worker loop); the crashing frame is at the top of the dump."""
+    lines = stderr.splitlines()
+    fatal = [i for i, ln in enumerate(lines) if ln.startswith("Fatal Python error")]
+    if not fatal:
+        return []  # no dump of a crash (SIGKILL, os._exit): nothing to quote
+    return _dumped_frames(lines, fatal[-1], limit)
+
+
+def hang_frames(stderr: str, limit: int = 10) -> list[str]:
+    """The innermost ``limit`` frames of the last stack dump in ``stderr`` (a hung worker's, asked for with
+    SIGUSR1), as :func:`crash_frames` gives them."""
+    lines = stderr.splitlines()
+    dumps = [i for i, ln in enumerate(lines) if ln.startswith(("Current thread", "Stack ("))]
+    return _dumped_frames(lines, dumps[-1], limit) if dumps else []
+
+
+def _dumped_frames(lines: list[str], start: int, limit: int) -> list[str]:
+    # the crashing thread is the dump's "Current thread" (the others print as "Thread 0x..."); "Stack" when
+    # faulthandler dumps one thread only
+    heads = (i for i in range(start, len(lines)) if lines[i].startswith(("Current thread", "Stack (")))
+    head = next(heads, None)
+    frames = []
+    for ln in lines[head + 1:] if head is not None else []:
+        m = _FRAME.match(ln)
+        if m is None or len(frames) == limit:
+            break
+        frames.append(f"  {m['file']}:{m['line']} in {m['func']}")
+    return frames
+
+
+def hazard_path(stderr_path: str | None) -> str | None:
+    """The child's hazard file: next to its stderr file, and removed with it."""
+    return None if not stderr_path else stderr_path + ".hazards"
+
+
+def read_hazards(path: str | None) -> list[dict]:
+    """The teardown hazards a child wrote before it died (JSON lines; a torn last line is skipped)."""
+    import json
+
+    if not path or not os.path.exists(path):
+        return []
+    out = []
+    with open(path, errors="replace") as f:
+        for line in f:
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+    return out
+
+
+def describe_hazards(hazards: list[dict]) -> str:
+    """The crash report's lines for hazards recorded before the crash."""
+    if not hazards:
+        return ""
+    lines = ["--- the sanitizer recorded before the crash: a pool torn down while blocks of it lived, under "
+             "expandable_segments:True (freeing them crashes the process) ---"]
+    for h in hazards:
+        lines.append(f"pool {tuple(h['pool_id'])} on device {h['device']}: {size_text(h['live_bytes'])} alive at the "
+                     f"reset at {h.get('reset_site') or '(unknown)'}" + (f" (test {h['test']})" if h.get("test") else ""))
+    return "\n" + "\n".join(lines)
+
+
+def crash_report(proc, name: str, stderr_path: str | None, during: str) -> WorkerCrashed:
+    """What the child ``proc`` of worker ``name`` left when it died during ``during``, as the error to raise."""
+    proc.join(5)
+    code = proc.exitcode
+    if code is not None and code < 0:
+        try:
+            cause = f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            cause = f"killed by signal {-code}"
+    else:
+        cause = f"exited with code {code}"
+    tail = tail_of(read_stderr(stderr_path))
+    assert_lines = [ln for ln in tail.splitlines() if any(m in ln for m in POISON_MARKERS)]
+    msg = f"worker {name} (pid {proc.pid}) {cause} during {during}"
+    if assert_lines:
+        msg += f"\nallocator: {assert_lines[-1].strip()}"
+    frames = crash_frames(read_stderr(stderr_path))
+    if frames:
+        msg += ("\n--- innermost frames at the crash (faulthandler, most recent call first) ---\n"
+                + "\n".join(frames))
+    hazards = read_hazards(hazard_path(stderr_path))
+    msg += describe_hazards(hazards)
+    causes = [ln for ln in cause_lines(read_stderr(stderr_path)) if ln not in tail]
+    if causes:
+        msg += "\n--- cause lines from the worker's stderr ---\n" + "\n".join(causes)
+    shown = _without_pytest_frames(tail)  # a forked worker's dump holds the session it was forked from
+    if shown.strip():
+        msg += f"\n--- last lines of the worker's stderr ---\n{shown.rstrip()}"
+    err = WorkerCrashed(msg, code, tail, hazards)
+    err.pid = proc.pid  # the child is gone: its record still names it
+    err.frames = [f.strip() for f in frames]
+    return err
+
+
+def timeout_report(proc, name: str, stderr_path: str | None, during: str, limit: float,
+                   source: str | None = None) -> WorkerTimeout:
+    """Has the hung child ``proc`` dump its stacks, and returns the error to raise; ``source`` says where the
+    timeout was set. The caller kills the child."""
+    try:
+        os.kill(proc.pid, signal.SIGUSR1)  # dump the hung worker's stacks before the kill
+        time.sleep(0.5)
+    except ProcessLookupError:
+        pass
+    tail = _without_pytest_frames(tail_of(read_stderr(stderr_path), 60))
+    frames = [f.strip() for f in hang_frames(read_stderr(stderr_path))]
+    err = WorkerTimeout(
+        f"worker {name} (pid {proc.pid}) ran past the timeout of {limit:g}s"
+        + (f" ({source})" if source else "")
+        + f" in {during}; the worker and everything it started were killed (its session)"
+        + (f"\n--- last lines of the worker's stderr ---\n{tail.rstrip()}" if tail.strip() else "")
+    )
+    err.pid = proc.pid  # the child is gone: its record still names it
+    err.frames = frames
+    return err
