@@ -2,7 +2,7 @@
 
 Every engine runs the same small MLP (3 x Linear(256) + ReLU) through CUDA graphs captured for batch sizes
 1, 2, 4 and 8, largest first, and differs only in where its pool handle lives and what ``release()`` does
-with it. Styles (a)-(h) and (k)-(n) use only the ``Backend`` API, so they run on ``sim`` and on ``cuda``;
+with it. Styles (a)-(h), (k)-(n) and (p) use only the ``Backend`` API, so they run on ``sim`` and on ``cuda``;
 (i), (j) and (o) use ``torch.cuda`` / ``torch.compile`` directly and run on ``cuda`` only. (m) runs a second,
 one-layer draft model beside the MLP (speculative decoding); its result is the MLP's.
 
@@ -612,6 +612,30 @@ class GcReleasedEngine(_GraphEngine):
         del self.graphs  # the runner still has them, until the cycle is collected
 
 
+class RunnerEngine(_MLP):
+    """(p) This library's own answer: every graph in a ``CUDAGraphRunner``, which mints a fresh pool at its
+    first capture and retires it at release. Its capture path is the one ``--cudagraph-sanitize=strict``
+    changes (checked mode watches each captured op and poisons the padding), so the three modes must agree
+    on it too."""
+
+    def __init__(self, backend: Backend):
+        super().__init__(backend)
+        from cudagraph_lifecycle import CUDAGraphRunner
+
+        self.runner = CUDAGraphRunner(self.forward, BATCH_SIZES, (HIDDEN,), backend=backend, name="peer-p")
+
+    def capture(self) -> None:
+        with torch.no_grad():
+            self.runner.capture()
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return self.runner.run(x)
+
+    def release(self) -> None:
+        self.runner.release()
+
+
 def make_a(backend: Backend) -> ClassHandleEngine:
     return ClassHandleEngine(backend)
 
@@ -654,6 +678,10 @@ def make_o(backend: Backend) -> GraphedAtBuildEngine:
     return GraphedAtBuildEngine(backend)
 
 
+def make_p(backend: Backend) -> RunnerEngine:
+    return RunnerEngine(backend)
+
+
 def make_j(backend: Backend) -> CompiledEngine:
     _require_cuda(backend, "j", 'torch.compile(mode="reduce-overhead")')
     return CompiledEngine(backend)
@@ -677,5 +705,5 @@ def make_n(backend: Backend) -> GcReleasedEngine:
 
 STYLES = {"a": make_a, "b": make_b, "c": make_c, "d": make_d, "e": make_e,
           "f": make_f, "g": make_g, "h": make_h, "i": make_i, "j": make_j,
-          "k": make_k, "l": make_l, "m": make_m, "n": make_n, "o": make_o}
-SIM_STYLES = "abcdefghklmn"
+          "k": make_k, "l": make_l, "m": make_m, "n": make_n, "o": make_o, "p": make_p}
+SIM_STYLES = "abcdefghklmnp"

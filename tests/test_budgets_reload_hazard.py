@@ -347,3 +347,10 @@ def test_a_reported_teardown_that_did_not_crash_is_in_its_engines_record(pyteste
     assert "! sanitizer: expandable_teardown: the last graph of pool (0, 1) was reset at " in out
     assert "resets_first.py:14 in release while 16 KiB (16384 bytes) of it were alive" in out
     assert "so the graph goes last" in out and "2 sanitizer finding(s)" in out
+    # with no sanitizer the observation still saw it: the records are the same (the verdict does not depend on
+    # what watches)
+    off = pytester.runpytest_subprocess("-p", "cudagraph", "-p", "no:cacheprovider", "-s", "--cudagraph-backend=sim",
+                                        "--cudagraph-expandable-teardown=report", "--cudagraph-sanitize=off")
+    off.assert_outcomes(passed=1)
+    assert [ln for ln in off.stdout.lines if ln.startswith("REC")] == [ln for ln in res.stdout.lines
+                                                                     if ln.startswith("REC")]

@@ -14,7 +14,7 @@ import torch
 from cudagraph_lifecycle.backends.sim import SimBackend
 from cudagraph_lifecycle.conformance import Ctx
 from cudagraph_lifecycle.ledger import ledger
-from cudagraph_lifecycle.sanitizer import PoolSanitizer, pins
+from cudagraph_lifecycle.sanitizer import PoolSanitizer, heap_index, holders
 from cudagraph_lifecycle.sanitizer.pins import what_pins
 
 HELD = {}  # a module global that pins a pool in the tests below
@@ -32,7 +32,7 @@ def _stop_sanitizers():
 def heap(request, monkeypatch):
     """Holders found by scanning the heap per object (a short search), or from the index a long search builds."""
     if request.param == "indexed":
-        monkeypatch.setattr(pins, "_INDEX_AFTER", 0)
+        monkeypatch.setattr(heap_index, "_INDEX_AFTER", 0)
     return request.param
 
 
@@ -248,7 +248,7 @@ class _Lone:
 def test_the_searchs_own_closures_are_no_holder():
     # naming who holds an object runs in a closure that refers to it (memoised words): on the H100 a module
     # only a reference cycle kept was named "a closure variable of _up.<locals>.words (.../pins.py)"
-    assert pins._up(_Lone(), set(), 3) == ""
+    assert holders._up(_Lone(), set(), 3) == ""
 
 
 def test_a_graph_torch_keeps_in_a_closure_is_named_by_what_the_user_holds():
@@ -273,13 +273,13 @@ def test_the_heap_index_gives_what_a_scan_gives_but_the_searchs_own_lists():
     t = torch.ones(3)
     slot, pair, cell_fn = _Slot(), (t, t), (lambda: t)
     slot.t, keep = t, {"t": t, "pair": pair}
-    own = pins._Found([t, slot])  # a search's own list is left out of the index, not out of a scan
+    own = heap_index._Found([t, slot])  # a search's own list is left out of the index, not out of a scan
     looked_up = (t, slot, pair, keep, cell_fn.__closure__[0])
-    index = pins._heap_index()
+    index = heap_index._heap_index()
     for obj in looked_up:
         found = index.get(id(obj))
-        found = list(found) if type(found) is pins._Multi else [] if found is None else [found]
-        scanned = [r for r in gc.get_referrers(obj) if r is not own and r is not index and type(r) is not pins._Multi]
+        found = list(found) if type(found) is heap_index._Multi else [] if found is None else [found]
+        scanned = [r for r in gc.get_referrers(obj) if r is not own and r is not index and type(r) is not heap_index._Multi]
         assert {id(r) for r in found} == {id(r) for r in scanned}, f"{type(obj)}: {[type(r) for r in found]} " \
                                                                     f"indexed, {[type(r) for r in scanned]} scanned"
         assert len(found) == len(scanned)
@@ -291,9 +291,9 @@ def test_the_heap_index_gives_what_a_scan_gives_but_the_searchs_own_lists():
 
 def test_a_long_search_indexes_the_heap_once(monkeypatch):
     built = []
-    real = pins._heap_index
-    monkeypatch.setattr(pins, "_heap_index", lambda: built.append(1) or real())
-    monkeypatch.setattr(pins, "_INDEX_AFTER", 3)
+    real = heap_index._heap_index
+    monkeypatch.setattr(heap_index, "_heap_index", lambda: built.append(1) or real())
+    monkeypatch.setattr(heap_index, "_INDEX_AFTER", 3)
     be, san, key = _pinned(lambda y: HELD.__setitem__("out", y))
     try:
         (pin,) = what_pins(be, [key])
@@ -537,7 +537,7 @@ def test_a_session_a_strict_sanitizer_failed_is_not_called_a_failed_test(pyteste
                                         f"--cudagraph-report={report}")
     res.assert_outcomes(passed=4)
     assert res.ret == 1
-    res.stdout.fnmatch_lines(["1 engine cycle: *; 0 failed; 0 test(s) failed for lifecycle reasons, and the session "
+    res.stdout.fnmatch_lines(["1 engine cycle, *; 0 failed; 0 test(s) failed for lifecycle reasons, and the session "
                               "failed on 2 strict sanitizer finding(s); backend sim"])
     assert json.loads(report.read_text())["totals"]["lifecycle_failures"] == 1
 

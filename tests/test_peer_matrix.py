@@ -1,12 +1,14 @@
-"""The peer-style engine matrix: fourteen engines written the way public engines hold their graph pools
-(``peer_engines.py``), three of each in one reused worker, the caller holding (``hold``) or copying out
-(``drop``) the last output, with the sanitizer on and off.
+"""The peer-style engine matrix: sixteen engines, fourteen written the way public engines hold their graph
+pools, one graphed at build the way a user first meets make_graphed_callables (o), and this library's runner
+(p) (``peer_engines.py``), three of each in one reused worker, the caller holding (``hold``) or copying out
+(``drop``) the last output.
 
-Two columns per cell: what plain PyTorch does with these engines (``peer_truth.py``, nothing of ours
-watching: where the allocator asserts), and the plugin's verdicts, which must name the same engine
-(``stale`` where the allocator asserts, before it does when the sanitizer is on) and judge the rest from
-what the process observed. Styles (a)-(h) and (k)-(n) run on ``sim`` in CI; all fourteen run on ``cuda`` in
-the GPU check.
+Per cell: what plain PyTorch does with these engines (``peer_truth.py``, nothing of ours watching: where the
+allocator asserts, and what the graph pools still hold at the end), and the plugin's verdicts in each
+sanitizer mode (off, on, strict), each in a fresh worker. The verdicts must name the same engine (``stale``
+where the allocator asserts, before it does when the sanitizer is on), give every engine the same verdict,
+bytes, problems and pins in every mode, and add up to the bytes plain PyTorch lost. Styles (a)-(h), (k)-(n)
+and (p) run on ``sim`` in CI; all sixteen run on ``cuda`` in the GPU check.
 """
 
 import peer_engines
@@ -46,6 +48,8 @@ EXPECTED = {
     # graphs' matmuls run on autograd's thread, whose cuBLAS handle makes its workspace for that stream inside
     # the capture, in the pool, where it stays for good (the process's cache holds it)
     ("o", "hold"): ["leaked"], ("o", "drop"): ["leaked"],
+    # the library's runner: a fresh pool per engine, retired at release (strict turns its checked mode on)
+    ("p", "hold"): ["held"] * 3, ("p", "drop"): ["fresh"] * 3,
 }
 # What pins a leaked engine's pool, per style: (cause, part of the holder's description).
 LEAK_PINS = {
@@ -135,12 +139,13 @@ def test_one_verdict_whatever_watches(request, pytestconfig, style, mode):
     for sanitize in MODES:
         engine_sequence = _sequence_in(request, sanitize)
         # every engine, failed or not (strict fails more of them, and must not stop sooner)
-        records = until_stale(engine_sequence(peer_engines.STYLES[style], 3, output=mode, check=False))
+        every = engine_sequence(peer_engines.STYLES[style], 3, output=mode, check=False)
+        records = until_stale(every)
         expected = EXPECTED[(style, mode)]
         assert [r["verdict"] for r in records][:len(expected)] == expected, \
             (sanitize, [r["problems"] for r in records])
         runs[sanitize] = records
-        _check_cell(style, mode, sanitize, records)
+        _check_cell(style, mode, sanitize, every)
     off = [judged(r) for r in runs["off"]]
     for sanitize in ("on", "strict"):
         assert [judged(r) for r in runs[sanitize]] == off, sanitize
@@ -157,6 +162,9 @@ def test_one_verdict_whatever_watches(request, pytestconfig, style, mode):
 
 def _check_cell(style: str, mode: str, sanitize: str, records: list[dict]) -> None:
     stale = [r for r in records if r["verdict"] == "stale"]
+    for a, b in zip(records, records[1:]):  # a stale capture ends its worker in every mode, refused or not
+        ended = a["verdict"] == "stale" or a.get("poisoned")
+        assert (a["pid"] != b["pid"]) == bool(ended), (sanitize, a["index"], a["pid"], b["pid"])
     if stale:
         text = stale[0]["problems"][0]["message"]
         assert ("StalePoolError" in text) == (sanitize != "off")  # off: the allocator's own assert, named

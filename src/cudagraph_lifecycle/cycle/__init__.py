@@ -14,8 +14,7 @@ from .. import observe
 from ..backends import Backend, get_backend
 from ..errors import ConfigError
 from ..ledger import ledger, raised_site
-from ..sanitizer import global_sanitizer
-from ..sanitizer.findings import PREVENTED_KINDS
+from ..sanitizer.findings import PREVENTED_KINDS, collect
 from ..sanitizer.pins import graph_holder
 from ..sizes import size_text
 from .caller import OUTPUT_MODES, caller_copy, caller_of
@@ -192,23 +191,22 @@ def run_cycle(
                                       f"budget of {size_text(max_growth)} set by {max_growth_set_by}"
                                       + (STREAM_WORKSPACE_HINT if be.name == "cuda" else ""),
                 max(rec.growth_bytes, rec.kept_bytes))
-    san = global_sanitizer()
-    if san is not None and san.backend.world == be.world:
-        # pinned pools and unreleased graphs are in the verdict already; what else the sanitizer saw (a capture
-        # it refused on the default stream, whose error the engine caught: it then ran eagerly; a teardown under
-        # expandable segments it only reported):
-        raised = any(p.message.startswith("DefaultStreamCaptureError") for p in rec.problems)  # (in it already)
-        refused = any(p.kind == "expandable_teardown" for p in rec.problems)
-        found = [f for f in san.findings() if f.engine == label and (
-            f.kind == "pool_never_retired" or (f.kind == "default_stream_capture" and not raised)
-            or (f.kind == "expandable_teardown" and not refused))]
-        rec.sanitizer = [f.as_dict() for f in found]
-        for f in found:
-            if f.kind in PREVENTED_KINDS:  # the engine never captured, and without the sanitizer it poisons
-                rec.add("error", f"{f.kind}, whose error the engine caught (it ran without that graph): "
-                                 f"{f.message}", f.bytes)
-            else:
-                rec.add("sanitizer", f"{f.kind}: {f.message}", f.bytes)
+    # what the observation saw beyond the verdict, read from the ledger in every sanitizer mode alike (a capture
+    # refused on the default stream whose error the engine caught, so it ran eagerly; a teardown under
+    # expandable segments only reported; a pool a reference keeps after its graphs went)
+    raised = any(p.message.startswith("DefaultStreamCaptureError") for p in rec.problems)  # (in it already)
+    refused = any(p.kind == "expandable_teardown" for p in rec.problems)
+    found = [f for f in collect(be, since, label, ("pool_never_retired", "default_stream_capture",
+                                                   "expandable_teardown"))
+             if (f.kind == "pool_never_retired" or (f.kind == "default_stream_capture" and not raised)
+                 or (f.kind == "expandable_teardown" and not refused))]
+    rec.sanitizer = [f.as_dict() for f in found]
+    for f in found:
+        if f.kind in PREVENTED_KINDS:  # the engine never captured, and without the sanitizer it poisons
+            rec.add("error", f"{f.kind}, whose error the engine caught (it ran without that graph): "
+                             f"{f.message}", f.bytes)
+        else:
+            rec.add("sanitizer", f"{f.kind}: {f.message}", f.bytes)
     if output == "hold":
         caller.held, caller.held_pools, caller.held_record = kept, pools, rec
     else:

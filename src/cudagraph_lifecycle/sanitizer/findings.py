@@ -47,14 +47,15 @@ class Finding:
                 "sites": list(self.sites), "tests": list(self.tests), "pins": list(self.pins)}
 
 
-def collect(backend: Backend, since: int = 0, scope: str | None = None) -> list[Finding]:
+def collect(backend: Backend, since: int = 0, scope: str | None = None,
+            kinds: tuple[str, ...] = FINDING_KINDS) -> list[Finding]:
     """Findings about the pools of ``backend``'s world captured into after ledger sequence ``since`` (and,
-    with ``scope``, by that engine scope)."""
+    with ``scope``, by that engine scope), of ``kinds``. Read from the ledger alone: no sanitizer need run."""
     from .pins import describe, graph_holder, mempool_notes, what_pins
 
     world = backend.world
     out: list[Finding] = []
-    for h in list(ledger.hazards):
+    for h in list(ledger.hazards) if "expandable_teardown" in kinds else ():
         if h.key[0] == world and h.seq > since and (scope is None or h.scope == scope):
             out.append(Finding(
                 "expandable_teardown", h.key[2], h.key[1], h.live_bytes,
@@ -62,7 +63,7 @@ def collect(backend: Backend, since: int = 0, scope: str | None = None) -> list[
                 f"{size_text(h.live_bytes)} of it were alive, under expandable_segments:True: freeing them after the "
                 f"pool's teardown can crash the process (SIGSEGV). {EXPANDABLE_TEARDOWN_FIX}",
                 h.stacks or (h.reset_at,), h.owner, h.sites, tuple(t for t in (h.test,) if t)))
-    for d in list(ledger.default_stream):
+    for d in list(ledger.default_stream) if "default_stream_capture" in kinds else ():
         if d.key[0] == world and d.seq > since and (scope is None or d.scope == scope):
             what = ("refused before torch ran it" if d.refused else
                     "torch refused it and every later eager random op of this process fails ('Offset increment "
@@ -73,7 +74,7 @@ def collect(backend: Backend, since: int = 0, scope: str | None = None) -> list[
                 f"a capture began on the default stream of device {d.key[1]} at {d.site or '(unknown)'}: {what}. "
                 f"{side_stream_fix(world)}", (d.at,), d.scope, (d.site,) if d.site else (),
                 tuple(t for t in (d.test,) if t)))
-    for a in ledger.stale_since(since, world):
+    for a in ledger.stale_since(since, world) if "stale_capture" in kinds else ():
         if scope is None or a.scope == scope:
             what = ("refused before the allocator saw it (StalePoolError)" if a.refused else
                     "the allocator asserted 'use_count > 0' and the process is poisoned: only a new one recovers")
@@ -83,7 +84,7 @@ def collect(backend: Backend, since: int = 0, scope: str | None = None) -> list[
                 f"a capture into pool {a.key[2]}{made} at {a.site or '(unknown)'}, after all its graphs were "
                 f"released: {what}. {stale_fix(a.owner, a.scope)}", tuple(a.stacks()), a.owner, (a.site,) if a.site else (), tuple(t for t in (a.test,) if t)))
     unreleased: dict[tuple, list] = {}  # one finding per pool, engine and test, however many graphs
-    for g in ledger.live_graphs(world):
+    for g in ledger.live_graphs(world) if "unreleased_graph" in kinds else ():
         if g.seq > since and (scope is None or g.scope == scope):
             unreleased.setdefault((g.pool_id, g.device, g.scope, g.test), []).append(g)
     for (pool_id, device, owner, _), graphs in unreleased.items():
@@ -98,12 +99,13 @@ def collect(backend: Backend, since: int = 0, scope: str | None = None) -> list[
             + (f": {'it is' if n == 1 else 'one is'} held as {held_by}" if held_by else ""),
             (str(graphs[0].captured_at),), owner, sites, tests))
     read = backend.pool_bytes_reader()
-    for e in ledger.snapshot(world):
+    pools = "pinned_pool" in kinds or "pool_never_retired" in kinds
+    for e in ledger.snapshot(world) if pools else ():
         if e.last_seq <= since or (scope is not None and scope not in e.scopes):
             continue
         sites, tests = tuple(e.capture_sites()), tuple(e.tests)
         where = f" (captured at {sites[0]})" if sites else ""
-        if e.device_count <= 0 and read(e.device, e.pool_id):
+        if e.device_count <= 0 and "pinned_pool" in kinds and read(e.device, e.pool_id):
             st = backend.pool_state(e.pool_id, e.device)
             if not st.allocated_bytes:  # free segments alone go at empty_cache
                 continue
@@ -118,7 +120,7 @@ def collect(backend: Backend, since: int = 0, scope: str | None = None) -> list[
                 f"pool {e.pool_id}{where} was released but {size_text(st.reserved_bytes)} stay reserved: "
                 + (describe(pins) if pins else "a tensor allocated in its captures is still alive"),
                 stacks, e.owner, sites, tests, tuple(p.as_dict() for p in pins)))
-        elif e.device_count > 0 and not e.live_graphs() and e.captures:
+        elif e.device_count > 0 and "pool_never_retired" in kinds and not e.live_graphs() and e.captures:
             held = list(mempool_notes([e.key]).values())
             out.append(Finding(
                 "pool_never_retired", e.pool_id, e.device, read(e.device, e.pool_id),
