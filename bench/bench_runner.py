@@ -21,21 +21,10 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from bench.common import StartedOnce, emit, pinned_pools  # noqa: E402
+from bench.models import launch_bound_model  # noqa: E402
 from cudagraph_lifecycle import CUDAGraphRunner, checks, get_backend  # noqa: E402
 
 MiB = 1 << 20
-
-
-def launch_bound_model(dev, dtype):
-    torch.manual_seed(0)
-    layers = [torch.nn.Linear(256, 256).to(dev, dtype) for _ in range(16)]
-
-    def fwd(x):
-        for lin in layers:
-            x = torch.relu(lin(x))
-        return x
-
-    return fwd
 
 
 def timeit(be, fn, iters, reps=7):
@@ -215,8 +204,7 @@ def bench_checks(be, iters, rounds=8):
     x = torch.randn(3, 256, device=dev, dtype=dtype)
     configs = {"default": dict(checked=False), "checked": dict(checked=True),
                **{c: dict(checked=[c]) for c in checks.CHECKS},
-               "capture_largest": dict(checked=["capture"], watch="largest"),  # one watched capture of the four
-               "capture_python": dict(checked=["capture"])}  # the op watch's Python path (CUDAGRAPH_CAPTURE_PATH)
+               "capture_largest": dict(checked=["capture"], watch="largest")}  # one watched capture of the four
     step: dict[str, list[float]] = {name: [] for name in configs}
     capture: dict[str, list[float]] = {name: [] for name in configs}
     addresses: list[float] = []
@@ -224,8 +212,7 @@ def bench_checks(be, iters, rounds=8):
         for name, kw in list(configs.items())[:: 1 if rnd % 2 == 0 else -1]:
             r = CUDAGraphRunner(fwd, [1, 2, 4, 8], (256,), dtype=dtype, backend=be, **kw)
             gc.collect()  # a collection inside a 2 ms capture would be the whole difference
-            with capture_path("python" if name == "capture_python" else None):
-                r.capture()
+            r.capture()
             step[name].append(timeit(be, lambda r=r: r.run(x), iters)[0])
             capture[name].append(r.stats.capture_ms)
             if name == "capture":
@@ -235,7 +222,7 @@ def bench_checks(be, iters, rounds=8):
                 addresses.append((time.perf_counter() - t0) / 20 * 1e6)
             r.release()
     med = statistics.median
-    out: dict = {"rounds": rounds, "check_addresses_us": med(addresses), "op_watch": checks.capture_watch.describe()}
+    out: dict = {"rounds": rounds, "check_addresses_us": med(addresses)}
     for name in configs:
         out[f"step_us_{name}"], out[f"capture_ms_{name}"] = med(step[name]), med(capture[name])
         if name != "default":

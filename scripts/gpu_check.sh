@@ -7,7 +7,10 @@
 # Every step runs under one deadline (GPU_CHECK_SECONDS, default 560) so the results archive is always
 # written inside the device tool's 10-minute limit; a step that no time is left for is listed as skipped.
 # GPU_CHECK_ONLY (an extended regex) runs only the steps whose names match, for a session short of device
-# time; the others are listed as not selected.
+# time; the others are listed as not selected. GPU_CHECK_BASELINE (a folder holding another tree's src/,
+# pytest_cudagraph/, setup.py and pyproject.toml, e.g. `git archive <commit>` of the tree before a refactor)
+# runs the runner (its step, sanitizer and flush parts) and worker benchmarks on that tree too, in the same call, beside this tree's: a before/after
+# on one machine. GPU_CHECK_COMMIT names this tree's commit in the summary (the machine gets no .git).
 set -u -o pipefail
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
@@ -69,16 +72,18 @@ import pytest, importlib.metadata as md
 print(f"- pytest {pytest.__version__}, pytest-cudagraph {md.version('pytest-cudagraph')}")
 from cudagraph_lifecycle.observe import compiled
 print(f"- capture path: {compiled.describe()}")
-from cudagraph_lifecycle.checks import capture_watch
-print(f"- checked mode's op watch: {capture_watch.describe()}")
-print("- sources (`bash scripts/source_hash.sh`): "
-      + subprocess.run(["bash", "scripts/source_hash.sh"], capture_output=True, text=True).stdout.strip())
+import hashlib, os, pathlib
+files = sorted(p for d in ("src", "pytest_cudagraph") for p in pathlib.Path(d).rglob("*") if p.suffix in (".py", ".c", ".json"))
+digest = hashlib.sha256(b"".join(p.as_posix().encode() + p.read_bytes() for p in files)).hexdigest()[:12]
+print(f"- commit: {os.environ.get('GPU_CHECK_COMMIT', '(not given)')}; sources sha256 {digest} ({len(files)} files)")
+print(f"- command: `GPU_CHECK_ONLY={os.environ.get('GPU_CHECK_ONLY', '')!r} GPU_CHECK_SECONDS={os.environ.get('GPU_CHECK_SECONDS', '570')} "
+      f"GPU_CHECK_BASELINE={os.environ.get('GPU_CHECK_BASELINE', '')!r} bash scripts/gpu_check.sh`")
 PY
 PT="python3 -m pytest -p cudagraph -p no:cacheprovider --cudagraph-require-gpu"
 
 beside "bench plugin import (CUDA build of torch)" python3 bench/bench_plugin_import.py --rounds 10 \
   --json "$R/bench-plugin-import.json"
-# the C capture path and op watch on this machine's Python (3.12 there, 3.11 in CI): both paths equal, no leak
+# the C capture path on this machine's Python (3.12 there, 3.11 in CI): both paths equal, no leak
 # (on sim)
 beside "capture paths equal (compiled vs Python, on sim)" python3 -m pytest -p cudagraph -p no:cacheprovider -q \
   tests/test_capture_paths.py tests/test_checks.py
@@ -91,7 +96,7 @@ if [ -f .ptests/test_pytorch_graphs.py ]; then
   step "PyTorch's graph tests under CUDAGRAPH_SANITIZE=1" env CUDAGRAPH_SANITIZE=1 $PT .ptests/test_pytorch_graphs.py \
     -q -k "not test_graph_is_current_stream_capturing" --cudagraph-report="$R/pytorch-graph-tests.json"
 fi
-step "peer-style engine matrix (14 styles x hold/drop x sanitizer on/off; plain PyTorch's truth)" \
+step "peer-style engine matrix (16 styles x hold/drop x sanitizer off/on/strict; plain PyTorch's truth)" \
   $PT tests/test_peer_matrix.py -n 8 --cudagraph-report="$R/peer-matrix.json" -q
 step "piecewise engines (vLLM v1 style: pieces of every batch size in one pool)" \
   $PT tests/test_piecewise_engines.py --cudagraph-backend=cuda -n 4 -q --cudagraph-report="$R/piecewise.json"
@@ -99,10 +104,10 @@ step "soak: 200 engines in one reused worker" python3 bench/bench_soak.py --back
   --json "$R/bench-soak.json"
 step "examples, fork path (pytest process without CUDA)" $PT examples/ --cudagraph-report="$R/examples-fork.json"
 step "bench runner" python3 bench/bench_runner.py --backend cuda --json "$R/bench-runner.json"
-step "probe: checked mode's watch, a dispatch mode against a function mode" python3 scripts/probe_watch_modes.py \
+step "probe: checked mode's watch, a dispatch mode against a function mode" python3 scripts/probes/watch_modes.py \
   --json "$R/probe-watch-modes.json"
 step "probe: the one-op figure, pools pinned, heap frozen or live, sanitizer per round or started once" \
-  python3 scripts/probe_pinned_flush.py --json "$R/probe-pinned-flush.json"
+  python3 scripts/probes/pinned_flush.py --json "$R/probe-pinned-flush.json"
 step "bench wrapper cost (each observed call, timed from outside)" python3 bench/bench_wrapper_cost.py --backend cuda \
   --rounds 25 --segment-rounds 60 --json "$R/bench-wrapper-cost.json"
 step "bench sanitizer memory (10,000 captures a round)" python3 bench/bench_sanitizer_memory.py --backend cuda \
@@ -111,6 +116,17 @@ step "examples, spawn path (pytest process initialized CUDA)" env CUDAGRAPH_EXAM
   $PT examples/ --cudagraph-report="$R/examples-spawn.json"
 step "examples, -n 2 on one GPU" $PT examples/ -n 2 -q
 step "bench worker" python3 bench/bench_worker.py --backend cuda --engines 3 --json "$R/bench-worker.json"
+if [ -n "${GPU_CHECK_BASELINE:-}" ]; then
+  # the same benches on the baseline tree, installed apart and run with that tree's own bench/ scripts
+  rm -rf /tmp/site-base
+  python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/site-base "$GPU_CHECK_BASELINE" \
+    2>&1 | tail -3
+  step "bench runner, baseline tree" env PYTHONPATH=/tmp/site-base:$GPU_CHECK_BASELINE \
+    python3 "$GPU_CHECK_BASELINE/bench/bench_runner.py" --backend cuda --only step --only sanitizer --only flush \
+    --json "$R/bench-runner-baseline.json"
+  step "bench worker, baseline tree" env PYTHONPATH=/tmp/site-base:$GPU_CHECK_BASELINE \
+    python3 "$GPU_CHECK_BASELINE/bench/bench_worker.py" --backend cuda --engines 3 --json "$R/bench-worker-baseline.json"
+fi
 step "examples on 2 MPI ranks sharing the GPU" $PT examples/test_mpi_lifecycle.py --cudagraph-require-mpi \
   --cudagraph-report="$R/examples-mpi.json"
 step "bench mpi" python3 bench/bench_mpi.py --backend cuda --ranks 2 --engines 3 --json "$R/bench-mpi.json"

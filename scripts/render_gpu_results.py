@@ -209,6 +209,7 @@ def main(folder: str) -> None:
                       f"{row['extra_op_us']:+.1f} / {row['extra_exit_us']:+.1f} | |")
         if not probe.get("compiled_built"):
             print("| probe: the compiled side | not built (no C compiler on the machine) | |")
+    print_before_after(folder)
     matrix = load(folder, "peer-matrix.json")
     if matrix:
         print_matrix(matrix)
@@ -239,25 +240,56 @@ def main(folder: str) -> None:
 
 
 def print_matrix(report: dict) -> None:
-    """The peer-style engine matrix: per style and output mode, the verdicts with the sanitizer on and off,
-    and whether plain PyTorch's asserts fell where the table says stale."""
+    """The peer-style engine matrix: per style and caller, whether the three sanitizer modes gave every engine
+    the same verdict, bytes and pins (the verdicts shown are strict's, the last run of the cell), and whether
+    plain PyTorch's asserts fell where the table says stale."""
     cells: dict[tuple[str, str], dict[str, str]] = {}
     for test in report["tests"]:
-        m = re.search(r"\[(\w)-(hold|drop)(?:-(on|off))?\]", test["nodeid"])
+        m = re.search(r"\[(\w)-(hold|drop)\]", test["nodeid"])
         if not m:
             continue
-        style, mode, sanitize = m.groups()
-        cell = cells.setdefault((style, mode), {})
-        if "test_verdicts" in test["nodeid"]:
-            cell[sanitize] = " ".join(c["verdict"] for c in test["cycles"]) + ("" if test["outcome"] == "passed"
-                                                                              else f" ({test['outcome'].upper()})")
+        cell = cells.setdefault(m.groups(), {})
+        passed = test["outcome"] == "passed"
+        if "whatever_watches" in test["nodeid"]:
+            cell["modes"] = (" ".join(c["verdict"] for c in test["cycles"]) + ("" if passed else
+                             f" ({test['outcome'].upper()})")) if test["outcome"] != "skipped" else "skipped"
         else:
-            cell["truth"] = "as the table" if test["outcome"] == "passed" else test["outcome"].upper()
+            cell["truth"] = "as the table" if passed else test["outcome"].upper()
     ok = sum(1 for t in report["tests"] if t["outcome"] == "passed")
     print(f"\n## Peer-style engine matrix ({ok}/{len(report['tests'])} tests passed)\n")
-    print("| style | caller | sanitizer on | sanitizer off | plain PyTorch |\n|---|---|---|---|---|")
+    print("| style | caller | off = on = strict (verdicts, strict's run) | plain PyTorch |\n|---|---|---|---|")
     for (style, mode), cell in sorted(cells.items()):
-        print(f"| {style} | {mode} | {cell.get('on', '-')} | {cell.get('off', '-')} | {cell.get('truth', '-')} |")
+        print(f"| {style} | {mode} | {cell.get('modes', '-')} | {cell.get('truth', '-')} |")
+
+
+def print_before_after(folder: str) -> None:
+    """The runner and worker benches on a baseline tree and on this one, in the same call (GPU_CHECK_BASELINE)."""
+    pairs = [("bench-runner-baseline.json", "bench-runner.json"), ("bench-worker-baseline.json", "bench-worker.json")]
+    before, after = ({k: v for p in pairs for k, v in (load(folder, p[i]) or {}).items()} for i in (0, 1))
+    if not before:
+        return
+    rows = []
+    if "step" in before and "step" in after:
+        rows.append(("runner step / raw copy-in + replay", before["step"]["runner_over_raw"],
+                     after["step"]["runner_over_raw"], "{:.3f}"))
+    if "sanitizer" in before and "sanitizer" in after:
+        rows.append(("runner capture set under the sanitizer: overhead", before["sanitizer"]["capture_overhead"],
+                     after["sanitizer"]["capture_overhead"], "{:+.1%}"))
+    for i, label in ((0, "one-op capture, 0 pools pinned"), (1, "one-op capture, 8 pools pinned")):
+        fb, fa = ((x.get("flush") or [])[i] if len(x.get("flush") or []) > i else None for x in (before, after))
+        if fb and fa:
+            rows.append((f"{label}: sanitizer overhead, compiled path", fb["overhead"], fa["overhead"], "{:+.1%}"))
+            rows.append((f"{label}: sanitizer overhead, Python path", fb["overhead_python_path"],
+                         fa["overhead_python_path"], "{:+.1%}"))
+    if "call" in before and "call" in after:
+        rows.append(("worker call / bare Pipe round trip", before["call"]["ratio"], after["call"]["ratio"], "{:.2f}"))
+    if "per_engine" in before and "per_engine" in after:
+        rows.append(("per engine: fresh process / reused worker", before["per_engine"]["ratio"],
+                     after["per_engine"]["ratio"], "{:.0f}×"))
+    print("\n## Before and after (the baseline tree and this one, benched in the same call)\n")
+    print("| figure | baseline | this tree |\n|---|---|---|")
+    for label, b, a, fmt in rows:
+        print(f"| {label} | {fmt.format(b)} | {fmt.format(a)} |")
 
 
 if __name__ == "__main__":

@@ -145,17 +145,12 @@ def test_watch_largest_watches_the_largest_capture_of_each_key_only():
     assert moved == {"each": ["small_bias", "weight"], "largest": ["weight"]}
 
 
-WATCHES = [checks.CaptureWatch, pytest.param(checks.CompiledCaptureWatch, id="compiled", marks=pytest.mark.skipif(
-    checks.CompiledCaptureWatch is None, reason="the compiled op watch was not built here"))]
-
-
-@pytest.mark.parametrize("watch_cls", WATCHES)
-def test_the_watches_of_one_capture_set_look_at_a_storage_once(watch_cls):
+def test_the_watches_of_one_capture_set_look_at_a_storage_once():
     """A weight every graph of a set reads is looked at (weak reference, address, size) by the first watch only;
     the set holds it meanwhile, so its key cannot come to name another storage."""
     w = torch.ones(8, 8)
     known: dict = {}
-    watches = [watch_cls(None, known) for _ in range(2)]
+    watches = [checks.CaptureWatch(None, known) for _ in range(2)]
     for watch in watches:
         with watch:
             torch.ones(2, 8) @ w  # the left operand is born in the capture, the weight is read
@@ -181,51 +176,30 @@ def _watched_work(weights: list, out: torch.Tensor, held: list) -> None:
     held.append(x.max(dim=0))
 
 
-@pytest.mark.skipif(checks.CompiledCaptureWatch is None, reason="the compiled op watch was not built here")
-def test_the_compiled_watch_records_what_the_python_watch_does():
-    """Same reads (which storage, which op first read it, address, size), same births and the same offender,
-    for an op that raised and for a backend whose capture turned invalid, on a set's first and later graph."""
+def test_the_watch_records_reads_births_and_the_offender():
+    """Which storage, which op first read it, address and size; the births; the offender, for an op that raised
+    and for a backend whose capture turned invalid, on a set's first and later graph."""
     torch.manual_seed(0)
     weights, out = [torch.randn(8, 8) for _ in range(3)], torch.empty(4, 8)
-    seen = {}
-    for cls in (checks.CaptureWatch, checks.CompiledCaptureWatch):
-        known: dict = {}
-        held: list = []
-        first, later = cls(None, known), cls(None, known)
-        for watch in (first, later):
-            with torch.no_grad(), watch:
-                _watched_work(weights, out, held)
-        reads = [[(k, r.op, r.address, r.nbytes) for k, r in w.reads.items()] for w in (first, later)]
-        born = [len(w.born) for w in (first, later)]
-
-        raised = cls(None)
-        with pytest.raises(RuntimeError, match="invalid for input"), raised:
-            torch.ops.aten.view(torch.ones(8) + 1, [3, 7])
-        turned = cls(iter([False, False, True, True]).__next__, {})  # invalid from the third op on
-        with turned:
-            x = torch.ones(2) + 1
-            x = x * 2  # the third op
-            x - 1
-        seen[cls] = reads, born, raised.offender, turned.offender
-    python, compiled = seen[checks.CaptureWatch], seen[checks.CompiledCaptureWatch]
-    assert python[0][0] and python[0][0] == python[0][1] and python[1][0] >= 10, python
-    assert compiled[:2] == python[:2]
-    assert python[2].startswith("aten.view at ") and "test_checks.py" in python[2]
-    assert python[3].startswith("aten.mul.Tensor at ") and python[3].endswith("(the capture was invalid after it)")
-    assert compiled[2:] == python[2:]
-
-
-def test_the_capture_path_variable_chooses_the_watch(monkeypatch):
-    monkeypatch.setenv("CUDAGRAPH_CAPTURE_PATH", "python")
-    assert checks.watch_class() is checks.CaptureWatch
-    monkeypatch.setenv("CUDAGRAPH_CAPTURE_PATH", "auto")
-    assert checks.watch_class() is (checks.CompiledCaptureWatch or checks.CaptureWatch)
-    monkeypatch.setattr(checks.capture_watch, "CompiledCaptureWatch", None)
-    assert checks.watch_class() is checks.CaptureWatch
-    monkeypatch.setenv("CUDAGRAPH_CAPTURE_PATH", "compiled")
-    with pytest.raises(ConfigError, match=r"CUDAGRAPH_CAPTURE_PATH=compiled, but checked mode's compiled op watch "
-                                          r"was not built .*pip install --no-deps -e \.\), or unset the variable"):
-        checks.watch_class()
+    known: dict = {}
+    held: list = []
+    first, later = checks.CaptureWatch(None, known), checks.CaptureWatch(None, known)
+    for watch in (first, later):
+        with torch.no_grad(), watch:
+            _watched_work(weights, out, held)
+    reads = [[(k, r.op, r.address, r.nbytes) for k, r in w.reads.items()] for w in (first, later)]
+    assert reads[0] and reads[0] == reads[1] and len(first.born) >= 10, reads
+    raised = checks.CaptureWatch(None)
+    with pytest.raises(RuntimeError, match="invalid for input"), raised:
+        torch.ops.aten.view(torch.ones(8) + 1, [3, 7])
+    turned = checks.CaptureWatch(iter([False, False, True, True]).__next__, {})  # invalid from the third op on
+    with turned:
+        x = torch.ones(2) + 1
+        x = x * 2  # the third op
+        x - 1
+    assert raised.offender.startswith("aten.view at ") and "test_checks.py" in raised.offender
+    assert turned.offender.startswith("aten.mul.Tensor at ") and turned.offender.endswith(
+        "(the capture was invalid after it)")
 
 
 def test_a_strict_sanitizer_turns_the_checks_on():

@@ -3,7 +3,7 @@ process: a capture allocates an optional large block, then N blocks of one size;
 the pool's teardown and freed afterwards. A grid first, then the crashing rows again: repeated, without
 expandable segments, in other orders, and under the sanitizer (on: the hazard is recorded; strict: the reset
 is refused and the fix -- free first, then reset -- survives).
-  run on the GPU: python3 scripts/probe_expandable.py [--jobs 12]   (writes $OUT/expandable-probe.json)"""
+  run on the GPU: python3 scripts/probes/expandable.py [--jobs 12]   (writes $OUT/expandable-probe.json)"""
 from __future__ import annotations
 
 import argparse

@@ -1,7 +1,7 @@
 """Where a shared pool's bytes go: the segment map of the decode-sized model's graphs (bench_runner's memory
 case), captured alone and 8 sizes into one pool in several orders, read from the allocator's snapshot.
 
-    python scripts/probe_packing.py [--json PATH]      (CUDA only)
+    python scripts/probes/packing.py [--json PATH]      (CUDA only)
 
 For each case: the pool's segments (size, small or large, the blocks live in it) and the peak bytes of small
 (<= 1 MiB) blocks live at once during each capture, which decide how many 2 MiB small segments the pool needs.
@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 MiB = 1 << 20
 

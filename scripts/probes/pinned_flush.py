@@ -2,7 +2,7 @@
 frozen or live, and whether the sanitizer is started for each round or once for the whole process (as
 `CUDAGRAPH_SANITIZE=1` and the plugin's workers run it, and as bench_runner's flush part measures it).
 
-    python scripts/probe_pinned_flush.py [--backend auto] [--rounds 60] [--warmup-s 3] [--json PATH]
+    python scripts/probes/pinned_flush.py [--backend auto] [--rounds 60] [--warmup-s 3] [--json PATH]
 
 Plain captures run for --warmup-s seconds first. The four cases run twice, the second time in the reverse order, so that a case's place in the process (the
 first cases run in a fresh process; the bench's flush part runs after every other part) shows apart from
@@ -26,7 +26,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 from bench import bench_wrapper_cost as wrapper_cost  # noqa: E402
 from bench.bench_runner import median_ci95  # noqa: E402

@@ -2,7 +2,7 @@
 Each variant runs in a fresh process with allocation history (Python and C++ frames); after the engine is
 dropped, every live block of a graph pool is printed with the frames that name its owner, then cuBLAS's
 workspaces are cleared to see whether that frees the pool.
-  run on the GPU: python3 scripts/probe_pinned_pool.py   (writes $OUT/pinned-probe.json)"""
+  run on the GPU: python3 scripts/probes/pinned_pool.py   (writes $OUT/pinned-probe.json)"""
 from __future__ import annotations
 
 import json

@@ -1,11 +1,10 @@
 """Why checked mode's capture watch is a dispatch mode: what an empty ``TorchDispatchMode`` and an empty
 ``TorchFunctionMode`` cost a layer, beside the watch itself, and which reads each of them sees.
 
-    python scripts/probe_watch_modes.py [--device cuda|cpu] [--rounds N] [--json PATH]
+    python scripts/probes/watch_modes.py [--device cuda|cpu] [--rounds N] [--json PATH]
 
 On CUDA the forward is captured (``torch.cuda.graph``, one pool) and the figure is capture time a layer; on
-the CPU it is eager time a layer. On CUDA the runner's sides (default against the watch on each graph, Python
-and compiled) are timed for this model and for the bench's (``bench_runner.launch_bound_model``: three ops a
+the CPU it is eager time a layer. On CUDA the runner's sides (default against the watch on each graph) are timed for this model and for the bench's (``bench_runner.launch_bound_model``: three ops a
 layer where this one has two), with the ops a forward dispatches, and one watched capture set of the bench's
 model is profiled. Coverage: a weight read only inside ``backward()``, only inside a TorchScript module, and by
 a ``torch.ops`` call: does the mode see a tensor of that storage among an op's arguments?
@@ -28,11 +27,12 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
-from bench.bench_runner import capture_path, launch_bound_model  # noqa: E402
+from bench.bench_runner import capture_path  # noqa: E402
+from bench.models import launch_bound_model  # noqa: E402
 from bench.common import emit  # noqa: E402
-from cudagraph_lifecycle.checks.capture_watch import CaptureWatch, CompiledCaptureWatch  # noqa: E402
+from cudagraph_lifecycle.checks.capture_watch import CaptureWatch  # noqa: E402
 
 
 class EmptyDispatch(TorchDispatchMode):
@@ -88,10 +88,6 @@ def timing(device: str, layers: int, rounds: int) -> dict:
     modes = {"plain": None, "empty dispatch mode": EmptyDispatch, "empty function mode": EmptyFunction,
              "capture watch": lambda: CaptureWatch(None),
              "capture watch, a later graph of its set": lambda: CaptureWatch(None, known)}
-    if CompiledCaptureWatch is not None:
-        known_c: dict = {}
-        modes["compiled watch"] = lambda: CompiledCaptureWatch(None)
-        modes["compiled watch, a later graph of its set"] = lambda: CompiledCaptureWatch(None, known_c)
     cuda = device == "cuda"
     if cuda:
         stream, pool = torch.cuda.Stream(), torch.cuda.graph_pool_handle()
@@ -172,10 +168,7 @@ def runner_sides(model, layers: int, rounds: int, shape: tuple, dtype, backend: 
     from cudagraph_lifecycle import CUDAGraphRunner
 
     sides = {"runner default": (dict(checked=False), None),
-             "runner, capture watch on each graph": (dict(checked=["capture"]), "python"),
-             "runner, compiled watch on each graph": (dict(checked=["capture"]), "compiled")}
-    if CompiledCaptureWatch is None:
-        del sides["runner, compiled watch on each graph"]
+             "runner, capture watch on each graph": (dict(checked=["capture"]), None)}
     times: dict[str, list[float]] = {k: [] for k in sides}
     for rnd in range(rounds + 1):
         for name, (kw, path) in list(sides.items())[:: 1 if rnd % 2 == 0 else -1]:

@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 
-from ..choices import capture_path_from_env, compiled_or_python
 
 try:  # the same machinery the simulated allocator uses
     from torch.multiprocessing.reductions import StorageWeakRef
@@ -158,38 +157,3 @@ class CaptureWatch(TorchDispatchMode):
         if self._invalidated is not None:
             self._after(name)
         return out
-
-
-try:
-    from . import _watch
-except ImportError as e:  # not built (no compiler at install), or built for another Python: the Python watch
-    _watch, _watch_missing = None, f"{type(e).__name__}: {e}"
-else:
-    _watch_missing = ""
-
-
-if _watch is not None and TorchDispatchMode is not object:
-    class CompiledCaptureWatch(CaptureWatch):
-        """The same watch, its per-op path compiled (``_watch.c``): what it records is CaptureWatch's, read
-        through the same helpers for a storage's first look, an op that raised and the validity probe."""
-
-        __torch_dispatch__ = _watch.Dispatch(ops=_OPS, op_of=_op, tensor_type=_Tensor, storage_id=_storage_id,
-                                             read=CaptureWatch._read, failed=CaptureWatch._failed,
-                                             after=CaptureWatch._after)
-else:
-    CompiledCaptureWatch = None
-
-
-def describe() -> str:
-    """The op watch a capture gets now and, for the Python one, why: for reports and benchmarks."""
-    if capture_path_from_env(os.environ) == "python":
-        return "python (CUDAGRAPH_CAPTURE_PATH=python)"
-    return "compiled" if CompiledCaptureWatch is not None else f"python (not built: {_watch_missing})"
-
-
-def watch_class() -> type[CaptureWatch]:
-    """The watch a capture gets: the compiled one where it was built, unless ``CUDAGRAPH_CAPTURE_PATH``
-    says ``python`` (``compiled`` where it was not built is an error that says why)."""
-    missing = None if CompiledCaptureWatch is not None else _watch_missing or "torch has no TorchDispatchMode"
-    chosen = compiled_or_python(os.environ, missing, "checked mode's compiled op watch")
-    return CompiledCaptureWatch if chosen == "compiled" else CaptureWatch
