@@ -1,5 +1,7 @@
 """pytest-cudagraph: the pytest face of cudagraph_lifecycle (load it with ``pytest -p cudagraph``)."""
 
+__version__ = "0.2.0"  # the package's version (pyproject.toml); tests/test_packaging.py holds them equal
+
 try:
     import cudagraph_lifecycle  # noqa: F401 - reads CUDAGRAPH_SANITIZE and its companions at its import
 except Exception as e:
@@ -12,10 +14,12 @@ except Exception as e:
     raise pytest.UsageError(str(e)) from None
 
 from .assertions import EngineCycleError, assert_fresh_pool, assert_no_graphs, assert_pool_released  # noqa: E402
+from .records import EngineRecord  # noqa: E402
 from .worker import RemoteError, ReusedWorker, WorkerCrashed, WorkerTimeout  # noqa: E402
 
 __all__ = [
     "EngineCycleError",
+    "EngineRecord",
     "RemoteError",
     "ReusedWorker",
     "WorkerCrashed",

@@ -27,8 +27,14 @@ STRICT_FAILURE = "cudagraph_strict_failure"  # user property: strict findings fa
 SHOWN_FINDINGS = "cudagraph_findings_in_error"  # user property: the findings a strict error showed whole (keys)
 SNAPSHOT = "cudagraph_snapshot"  # user property: a memory snapshot's path
 SESSION_FINDINGS = "cudagraph_session_findings"  # an xdist worker's output: its session-wide sanitizer's findings
-# goes up when a field of the JSON report changes its meaning or goes away (new fields leave it)
-REPORT_FORMAT = 1
+# goes up when a field of the JSON report changes its meaning or goes away (new fields leave it); such a
+# change goes through a deprecation first (``warnings`` in the report, report.schema.json)
+REPORT_FORMAT = 2
+# deprecated totals: name -> (what to read instead, how to compute it from the totals)
+DEPRECATED_TOTALS = {
+    "not_fresh": ("totals.cycles - totals.fresh, or gate on totals.lifecycle_failures",
+                  lambda t: t["cycles"] - t["fresh"]),
+}
 CAPTURE_PATH = "cudagraph_capture_path"  # an xdist worker's output: how it observed captures
 VERDICTS = ("fresh", "held", "leaked", "stale", "reused", "error")
 
@@ -131,7 +137,17 @@ def totals(state: dict) -> dict[str, Any]:
     out["lifecycle_failures"] = sum(1 for t in state["tests"].values() if lifecycle_failure(t))
     out["strict_session_findings"] = state.get("strict_findings", 0)
     out["lifecycle_failures"] += out["strict_session_findings"] > 0
+    for name, (_, compute) in DEPRECATED_TOTALS.items():
+        out[name] = compute(out)
     return out
+
+
+def deprecation_warnings() -> list[str]:
+    """The report's ``warnings``: each deprecated field it still carries, what to read instead, when it goes."""
+    from .records import REMOVED_IN
+
+    return [f"totals.{name} is deprecated since 0.2.0 and goes in {REMOVED_IN}: read {instead} (CHANGELOG.md)"
+            for name, (instead, _) in DEPRECATED_TOTALS.items()]
 
 
 def lifecycle_line(t: dict[str, int]) -> str:
@@ -194,6 +210,7 @@ def write(path: str, s: dict, state: dict, exitstatus: int) -> None:
                   for t in state["tests"].values()],
         "sanitizer": state.get("session_findings", []),
         "totals": totals(state),
+        "warnings": deprecation_warnings(),
     }
     png = timeline_png(rows(state), path)
     if png:

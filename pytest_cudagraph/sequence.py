@@ -19,6 +19,7 @@ from cudagraph_lifecycle.sizes import size_text
 
 from .assertions import EngineCycleError, check_record
 from .mpi import MPIRanks, RankError
+from .records import EngineRecord
 from .report import CYCLES, SNAPSHOT
 from .settings import describe_source
 from .worker import RemoteError, ReusedWorker, WorkerCrashed, WorkerTimeout
@@ -112,7 +113,7 @@ class EngineSequence:
         """Add or replace records (a later call may complete an earlier engine's verdict)."""
         out = []
         for rec in recs:
-            rec["rank"] = rank
+            rec = EngineRecord(rec, rank=rank)
             for i, old in enumerate(self.records):
                 if old["index"] == rec["index"] and old.get("rank") == rank:
                     self.records[i] = rec
@@ -137,9 +138,9 @@ class EngineSequence:
                                         f"at {h.get('reset_site') or '(unknown)'} while {size_text(h['live_bytes'])} of it "
                                         "were alive, under expandable_segments:True"})
         pid = getattr(e, "pid", None) or getattr(self.worker, "pid", None)  # a crashed child's, or the live one's
-        return {"index": i, "pid": pid, "rank": None, "backend": self.backend,
+        return EngineRecord({"index": i, "pid": pid, "rank": None, "backend": self.backend,
                 "engine": f"{self._request.node.nodeid} [engine {i}]", "verdict": "stale" if stale else "error",
-                "failed": True, "pool_ids": [], "problems": problems}
+                "failed": True, "pool_ids": [], "problems": problems})
 
     def __call__(self, factory: Callable[[Any], Any], n: int | None = None, *, check: bool = True,
                  output: str = "hold", atol: float = 1e-4, reload: Callable[[Any], Any] | None = None) -> list[dict]:

@@ -78,10 +78,11 @@ def test_engine_sequence_summary_and_report(pytester):
     report.parent.mkdir()
     res = run(pytester, f"--cudagraph-report={report}")
     res.assert_outcomes(passed=1)
-    res.stdout.fnmatch_lines(["*cudagraph lifecycle*", "*test_seq*held", "3 engine cycles: 0 fresh, 3 held; 0 failed*"])
+    res.stdout.fnmatch_lines(["*cudagraph lifecycle*", "*test_seq*held",
+                              "3 engine cycles, 0 fresh, 3 not fresh (3 held); 0 failed*"])
     data = json.loads(report.read_text())
     assert data["totals"] == {"tests": 1, "cycles": 3, "fresh": 0, "held": 3, "leaked": 0, "stale": 0, "reused": 0,
-                              "error": 0, "failed_cycles": 0, "lifecycle_failures": 0,
+                              "error": 0, "failed_cycles": 0, "lifecycle_failures": 0, "not_fresh": 3,
                               "sanitizer_findings": 0, "strict_session_findings": 0,
                               "outcomes": {"passed": 1, "failed": 0, "error": 0, "skipped": 0, "xfailed": 0,
                                            "xpassed": 0}}
@@ -148,7 +149,7 @@ def test_crash_inside_engine_sequence_is_reported(pytester):
     assert set(problem) == {"kind", "message", "bytes", "stacks", "pins", "sites"}, problem  # as a cycle's
     # where the worker crashed, from its faulthandler dump: the engine's line for a gate, the frames as a stack
     meta = json.loads(report.read_text())["meta"]
-    assert meta["report_format"] == 1 and meta["rootdir"] == str(pytester.path), meta
+    assert meta["report_format"] == 2 and meta["rootdir"] == str(pytester.path), meta
     assert os.path.relpath(problem["sites"][0].split(":")[0], meta["rootdir"]) == "engines_mod.py", problem
     line = ENGINES.strip().splitlines().index("    e.capture = lambda: os.abort()") + 1
     assert [s.rsplit("/", 1)[-1] for s in problem["sites"]] == [f"engines_mod.py:{line} in <lambda>"], problem
@@ -443,7 +444,7 @@ def test_xdist_two_workers(pytester):
                               "engines held by reused workers (worker=fork)",
                               f"cudagraph: plugin from {os.path.dirname(os.path.abspath(pytest_cudagraph.__file__))}"])
     assert sum(line.startswith("cudagraph:") for line in res.stdout.lines) == 2, res.stdout.str()
-    res.stdout.fnmatch_lines(["8 engine cycles: 0 fresh, 8 held; 0 failed*; backend sim"])
+    res.stdout.fnmatch_lines(["8 engine cycles, 0 fresh, 8 not fresh (8 held); 0 failed*; backend sim"])
     data = json.loads(report.read_text())
     assert data["totals"]["cycles"] == 8
     assert (data["meta"]["effective_backend"], data["meta"]["gpus"]) == ("sim", 0)  # the controller ran no test
