@@ -1,4 +1,4 @@
-"""The layering the architecture promises (docs/ARCHITECTURE.md): no import cycles, the library never
+"""The layering the architecture promises (docs/ARCHITECTURE.md): no import cycles (benches included), the library never
 imports pytest, and the plugin imports torch only when something uses it."""
 
 import ast
@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = {"cudagraph_lifecycle": ROOT / "src" / "cudagraph_lifecycle", "pytest_cudagraph": ROOT / "pytest_cudagraph"}
+PACKAGES = {"cudagraph_lifecycle": ROOT / "src" / "cudagraph_lifecycle", "pytest_cudagraph": ROOT / "pytest_cudagraph",
+            "bench": ROOT / "bench"}  # (the benches too: none may import another that imports it back)
 
 
 def _module_name(pkg: str, path: Path) -> str:
