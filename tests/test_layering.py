@@ -1,5 +1,5 @@
-"""The layering the architecture promises (docs/ARCHITECTURE.md): no import cycles (benches included), the library never
-imports pytest, and the plugin imports torch only when something uses it."""
+"""The layering the architecture promises (docs/ARCHITECTURE.md): no import cycles (benches included), the
+library never imports pytest, and the plugin imports torch only when something uses it."""
 
 import ast
 import os

@@ -15,9 +15,6 @@ import peer_engines
 import peer_truth
 import pytest
 
-from cudagraph_lifecycle.record import FAILING
-from pytest_cudagraph import EngineCycleError
-
 # Verdicts up to the first failing engine (a sequence stops there).
 EXPECTED = {
     ("a", "hold"): ["held", "stale"], ("a", "drop"): ["fresh", "reused", "reused"],

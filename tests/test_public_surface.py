@@ -39,7 +39,7 @@ def test_fresh_follows_the_verdict_and_new_keys_warn_nothing():
     with pytest.raises(KeyError):
         r["nope"]
     with pytest.raises(AttributeError, match="engine record has no field 'nope'"):
-        r.nope
+        _ = r.nope
 
 
 def test_every_field_of_a_cycle_record_is_in_the_schema_and_every_old_key_is_not():

@@ -30,8 +30,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 from bench.bench_runner import capture_path  # noqa: E402
-from bench.models import launch_bound_model  # noqa: E402
 from bench.common import emit  # noqa: E402
+from bench.models import launch_bound_model  # noqa: E402
 from cudagraph_lifecycle.checks.capture_watch import CaptureWatch  # noqa: E402
 
 

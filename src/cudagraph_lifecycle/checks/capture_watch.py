@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 
-
 try:  # the same machinery the simulated allocator uses
     from torch.multiprocessing.reductions import StorageWeakRef
     from torch.utils._python_dispatch import TorchDispatchMode

@@ -14,12 +14,12 @@ from .. import observe
 from ..backends import Backend, get_backend
 from ..errors import ConfigError
 from ..ledger import ledger, raised_site
+from ..record import FAILING, STRICT_FAILING, VERDICTS, CycleRecord, Problem
 from ..sanitizer.findings import PREVENTED_KINDS, collect
 from ..sanitizer.pins import graph_holder
 from ..sizes import size_text
 from .caller import OUTPUT_MODES, caller_copy, caller_of
 from .engine import PROTOCOL, Engine, check_pool_ids
-from ..record import FAILING, STRICT_FAILING, VERDICTS, CycleRecord, Problem
 from .steps import (
     budget,
     build,

@@ -13,8 +13,8 @@ from typing import Any
 
 from ..backends import Backend
 from ..ledger import Key
-from ..trees import map_leaves
 from ..record import CycleRecord
+from ..trees import map_leaves
 
 OUTPUT_MODES = ("hold", "drop")
 

@@ -34,14 +34,13 @@ from ..errors import (
     stale_fix,
 )
 from ..ledger import SITES, Key, Stack, graph_sites, ledger, raised_site, shown_traceback
-from ..sanitizer.pins import beyond_output, describe, graph_holder, mempool_notes, what_pins
-from ..sanitizer.pins import Pin
+from ..record import CycleRecord
+from ..sanitizer.pins import Pin, beyond_output, describe, graph_holder, mempool_notes, what_pins
 from ..sanitizer.stale import pinned_text, side_stream_fix
 from ..sizes import size_text
 from ..trees import leaves
 from .caller import Caller, caller_copy
 from .engine import Engine
-from ..record import CycleRecord
 
 ASSERT_MARKERS = (TORCH_POOL_ASSERT, "INTERNAL ASSERT FAILED")
 NO_CUDA_MARKERS = ("Torch not compiled with CUDA enabled", "No CUDA GPUs are available", "Found no NVIDIA driver")
