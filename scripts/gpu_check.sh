@@ -103,7 +103,8 @@ step "piecewise engines (vLLM v1 style: pieces of every batch size in one pool)"
 step "soak: 200 engines in one reused worker" python3 bench/bench_soak.py --backend cuda --engines 200 \
   --json "$R/bench-soak.json"
 step "examples, fork path (pytest process without CUDA)" $PT examples/ --cudagraph-report="$R/examples-fork.json"
-step "bench runner" python3 bench/bench_runner.py --backend cuda --json "$R/bench-runner.json"
+# GPU_CHECK_RUNNER_ONLY: the runner bench's parts (e.g. "--only step --only sanitizer --only flush"), both trees
+step "bench runner" python3 bench/bench_runner.py --backend cuda ${GPU_CHECK_RUNNER_ONLY:-} --json "$R/bench-runner.json"
 step "probe: checked mode's watch, a dispatch mode against a function mode" python3 scripts/probes/watch_modes.py \
   --json "$R/probe-watch-modes.json"
 step "probe: the one-op figure, pools pinned, heap frozen or live, sanitizer per round or started once" \
@@ -122,8 +123,8 @@ if [ -n "${GPU_CHECK_BASELINE:-}" ]; then
   python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/site-base "$GPU_CHECK_BASELINE" \
     2>&1 | tail -3
   step "bench runner, baseline tree" env PYTHONPATH=/tmp/site-base:$GPU_CHECK_BASELINE \
-    python3 "$GPU_CHECK_BASELINE/bench/bench_runner.py" --backend cuda --only step --only sanitizer --only flush \
-    --json "$R/bench-runner-baseline.json"
+    python3 "$GPU_CHECK_BASELINE/bench/bench_runner.py" --backend cuda \
+    ${GPU_CHECK_RUNNER_ONLY:---only step --only sanitizer --only flush} --json "$R/bench-runner-baseline.json"
   step "bench worker, baseline tree" env PYTHONPATH=/tmp/site-base:$GPU_CHECK_BASELINE \
     python3 "$GPU_CHECK_BASELINE/bench/bench_worker.py" --backend cuda --engines 3 --json "$R/bench-worker-baseline.json"
 fi
