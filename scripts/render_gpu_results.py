@@ -252,19 +252,22 @@ def print_matrix(report: dict) -> None:
     plain PyTorch's asserts fell where the table says stale."""
     cells: dict[tuple[str, str], dict[str, str]] = {}
     for test in report["tests"]:
-        m = re.search(r"\[(\w)-(hold|drop)\]", test["nodeid"])
+        m = re.search(r"\[(\w)-(hold|drop)(?:-(on|off))?\]", test["nodeid"])
         if not m:
             continue
-        cell = cells.setdefault(m.groups(), {})
+        cell = cells.setdefault(m.groups()[:2], {})
         passed = test["outcome"] == "passed"
-        if "whatever_watches" in test["nodeid"]:
-            cell["modes"] = (" ".join(c["verdict"] for c in test["cycles"]) + ("" if passed else
+        if "test_verdicts" in test["nodeid"]:  # (runs before the three-mode test: one test per mode)
+            cell["modes"] = "; ".join(filter(None, [cell.get("modes"), f"{m.group(3)}: " + " ".join(
+                c["verdict"] for c in test["cycles"]) + ("" if passed else f" ({test['outcome'].upper()})")]))
+        elif "whatever_watches" in test["nodeid"]:
+            cell["modes"] = ("off = on = strict: " + " ".join(c["verdict"] for c in test["cycles"]) + ("" if passed else
                              f" ({test['outcome'].upper()})")) if test["outcome"] != "skipped" else "skipped"
         else:
             cell["truth"] = "as the table" if passed else test["outcome"].upper()
     ok = sum(1 for t in report["tests"] if t["outcome"] == "passed")
     print(f"\n## Peer-style engine matrix ({ok}/{len(report['tests'])} tests passed)\n")
-    print("| style | caller | off = on = strict (verdicts, strict's run) | plain PyTorch |\n|---|---|---|---|")
+    print("| style | caller | the plugin's verdicts by sanitizer mode | plain PyTorch |\n|---|---|---|---|")
     for (style, mode), cell in sorted(cells.items()):
         print(f"| {style} | {mode} | {cell.get('modes', '-')} | {cell.get('truth', '-')} |")
 

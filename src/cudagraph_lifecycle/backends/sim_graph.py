@@ -203,7 +203,7 @@ class SimGraph:
         stream = be._current_stream
         if stream.default:
             # torch opens the RNG's capture before it checks the stream, and leaves it open: eager random ops
-            # fail from then on (measured on the H200, docs/gpu-results/2026-12-04-run11)
+            # fail from then on (measured on the H200 in run 11, 2026-12-04; in git history under docs/gpu-results/)
             be.poisoned = POISON_MESSAGE
             raise RuntimeError(DEFAULT_STREAM_MESSAGE)
         if be._capturing is not None:
