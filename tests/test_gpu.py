@@ -185,7 +185,7 @@ def test_expandable_segments_teardown_crashes_plain_pytorch_and_is_refused_by_on
     r = cudagraph_worker.call(gpu_cases.expandable_segments_teardown_in_fresh_processes)
     print("expandable segments:", r)
     # plain PyTorch: the flush erased the pool under the kept blocks; freeing them crashed (SIGSEGV or a glibc
-    # abort on the H200: the H200 probe of 2026-12-04, in git history under docs/gpu-results/)
+    # abort on the H200, in the probe of 2026-12-04: git history of docs/gpu-results/)
     assert r["plain"]["rc"] != 0 and r["plain"]["stdout"][0] == "reset", r
     for mode in ("on", "strict"):  # refused, then the blocks first and the graph last: survives
         assert r[mode]["rc"] == 0 and r[mode]["stdout"][0].startswith("refused: reset of the last graph"), r
@@ -209,8 +209,8 @@ def test_a_worker_crashing_after_a_reported_teardown_says_so():
 
 def test_what_pins_the_first_make_graphed_callables_is_named(engine_sequence):
     """In a fresh worker: the first training-style make_graphed_callables leaves cuBLAS workspaces of its
-    captures in its pool (the H200 probe of 2026-12-04, in git history under docs/gpu-results/): leaked, and the record names them; the
-    diagnosis makes them again outside any capture, so the next engine is fresh."""
+    captures in its pool (the H200 probe of 2026-12-04, git history of docs/gpu-results/): leaked, and the
+    record names them; the diagnosis makes them again outside any capture, so the next engine is fresh."""
     records = engine_sequence(gpu_cases.graphed_with_backward, 2, output="drop", check=False)
     first = records[0]
     (leaked,) = [p for p in first["problems"] if p["kind"] == "leaked"]  # also release_incomplete: gc frees them
