@@ -18,8 +18,10 @@ from typing import Any
 REMOVED_IN = "0.3.0"
 
 
-def _fresh(r: dict) -> bool:
-    return r.get("verdict") == "fresh"
+def passed_as_0_1_0(r: dict) -> bool:
+    """What 0.1.0 called ``fresh``: the cycle's checks passed. An engine whose pool held only the caller's output
+    was fresh then (``held`` now); a pool id used again was not (``reused`` now)."""
+    return not r.get("failed") and r.get("verdict") in ("fresh", "held")
 
 
 def _after_release(r: dict) -> int:
@@ -28,7 +30,7 @@ def _after_release(r: dict) -> int:
 
 # 0.1.0's key -> (what it is now, in words; how to compute it from this record)
 DEPRECATED_KEYS = {
-    "fresh": ('r["verdict"] == "fresh"', _fresh),
+    "fresh": ('not r["failed"] and r["verdict"] in ("fresh", "held")', passed_as_0_1_0),
     "bytes_before_release": ('r["pool_bytes"]', lambda r: r.get("pool_bytes", 0)),
     "bytes_pinned_by_held_output": ('r["held_bytes"]', lambda r: r.get("held_bytes", 0)),
     "bytes_after_release": ('r["held_bytes"] + r["leaked_bytes"]', _after_release),

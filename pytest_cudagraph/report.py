@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from .records import passed_as_0_1_0
 from .settings import program_sanitizer_mode
 from .worker import finding_key
 
@@ -30,10 +31,12 @@ SESSION_FINDINGS = "cudagraph_session_findings"  # an xdist worker's output: its
 # goes up when a field of the JSON report changes its meaning or goes away (new fields leave it); such a
 # change goes through a deprecation first (``warnings`` in the report, report.schema.json)
 REPORT_FORMAT = 2
-# deprecated totals: name -> (what to read instead, how to compute it from the totals)
+# deprecated totals: name -> (what to read instead, how to count it from the cycles)
 DEPRECATED_TOTALS = {
-    "not_fresh": ("totals.cycles - totals.fresh, or gate on totals.lifecycle_failures",
-                  lambda t: t["cycles"] - t["fresh"]),
+    # 0.1.0's "not fresh": cycles whose checks did not pass (a held output's pool was fresh then)
+    "not_fresh": ("totals.lifecycle_failures to gate on (not_fresh counts the cycles that failed or reused a "
+                  "pool id)",
+                  lambda cycles: sum(1 for c in cycles if not passed_as_0_1_0(c))),
 }
 CAPTURE_PATH = "cudagraph_capture_path"  # an xdist worker's output: how it observed captures
 VERDICTS = ("fresh", "held", "leaked", "stale", "reused", "error")
@@ -137,8 +140,8 @@ def totals(state: dict) -> dict[str, Any]:
     out["lifecycle_failures"] = sum(1 for t in state["tests"].values() if lifecycle_failure(t))
     out["strict_session_findings"] = state.get("strict_findings", 0)
     out["lifecycle_failures"] += out["strict_session_findings"] > 0
-    for name, (_, compute) in DEPRECATED_TOTALS.items():
-        out[name] = compute(out)
+    for name, (_, count) in DEPRECATED_TOTALS.items():
+        out[name] = count([c for _, c in cycles])
     return out
 
 

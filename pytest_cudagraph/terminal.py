@@ -111,10 +111,8 @@ def lifecycle_section(tr: Any, state: dict, backend: str | None) -> None:
         tr.write_line("* the first capture in its worker process: it includes that process's first use of torch "
                       "(kernels, allocator segments, lazy imports); compare the engines after it")
     t = totals(state)
-    # (the line opens as 0.1.0's did, "N engine cycles, F fresh, X not fresh", for whoever parses it)
-    counts = ", ".join(f"{t[v]} {v}" for v in VERDICTS[1:] if t[v] or v == "held")
-    tr.write_line(f"{t['cycles']} engine cycle{'' if t['cycles'] == 1 else 's'}, {t['fresh']} fresh, "
-                  f"{t['cycles'] - t['fresh']} not fresh ({counts}); {t['failed_cycles']} failed; "
+    counts = ", ".join(f"{t[v]} {v}" for v in VERDICTS if t[v] or v in ("fresh", "held"))
+    tr.write_line(f"{t['cycles']} engine cycle{'' if t['cycles'] == 1 else 's'}: {counts}; {t['failed_cycles']} failed; "
                   f"{lifecycle_line(t)}; backend {backend}")
 
 

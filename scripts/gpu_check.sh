@@ -3,7 +3,9 @@
 # matrix, the soak, the examples' lifecycle suite on both worker paths (fork and spawn), with -n 2 and on MPI
 # ranks, the benchmarks (runner, with the sanitizer's capture path compiled and in Python side by side; wrapper
 # cost, sanitizer memory, worker, MPI; plugin import beside them).
-#   run: bash scripts/gpu_check.sh      (writes to $OUT, or ./gpu-out when OUT is unset)
+#   run: bash scripts/gpu_check.sh      (writes to $OUT, or ./gpu-out when OUT is unset; carry .whl/, which holds
+#        jsonschema's wheels for Python 3.12: pip download jsonschema --only-binary=:all: --python-version 3.12
+#        --platform manylinux2014_x86_64 -d .whl)
 # Every step runs under one deadline (GPU_CHECK_SECONDS, default 560) so the results archive is always
 # written inside the device tool's 10-minute limit; a step that no time is left for is listed as skipped.
 # GPU_CHECK_ONLY (an extended regex) runs only the steps whose names match, for a session short of device
@@ -60,6 +62,9 @@ rm -rf /tmp/site  # a warm machine keeps an earlier call's install: measure this
 python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/site . 2>&1 | tail -3 \
   || python3 -m pip install -q --no-deps --no-index --target /tmp/site .whl/pytest_cudagraph-*.whl
 export PYTHONPATH=/tmp/site
+# jsonschema is not in the machine's image: its wheels travel in .whl/ (carry it), for the reports' schema check
+python3 -c "import jsonschema" 2>/dev/null || python3 -m pip install -q --no-deps --no-index --target /tmp/site \
+  .whl/jsonschema-*.whl .whl/jsonschema_specifications-*.whl .whl/referencing-*.whl .whl/rpds_py-*.whl 2>&1 | tail -2
 python3 - <<'PY' | tee "$R/summary.md"
 import datetime, subprocess, torch
 print("# GPU check")
@@ -139,6 +144,25 @@ for n in "${!BESIDE[@]}"; do
   [ "$r" = 0 ] || rc=1
   rm -f "$R/beside-$n.log" "$R/beside-$n.rc"
 done
+# every JSON report of this run (written on cuda) against the schema the package ships
+python3 - "$R" <<'PY' || rc=1
+import glob, json, sys
+import jsonschema
+from pytest_cudagraph.records import schema
+bad = 0
+for path in sorted(glob.glob(sys.argv[1] + "/*.json")):
+    data = json.load(open(path))
+    if isinstance(data, dict) and "tests" in data and "totals" in data:  # a --cudagraph-report file
+        try:
+            jsonschema.validate(data, schema())
+            print(f"schema: {path.rsplit('/', 1)[1]} valid")
+        except jsonschema.ValidationError as e:
+            bad += 1
+            print(f"schema: {path.rsplit('/', 1)[1]} INVALID: {e.message} at {list(e.absolute_path)}")
+with open(sys.argv[1] + "/steps.md", "a") as f:
+    f.write(f"- reports against report.schema.json: {'ok' if not bad else f'FAILED ({bad} invalid)'}\n")
+sys.exit(bool(bad))
+PY
 echo; echo "=== done rc=$rc"
 sleep 1
 { echo; echo "## Steps"; cat "$R/steps.md"; } >> "$R/summary.md"

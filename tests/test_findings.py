@@ -537,7 +537,7 @@ def test_a_session_a_strict_sanitizer_failed_is_not_called_a_failed_test(pyteste
                                         f"--cudagraph-report={report}")
     res.assert_outcomes(passed=4)
     assert res.ret == 1
-    res.stdout.fnmatch_lines(["1 engine cycle, *; 0 failed; 0 test(s) failed for lifecycle reasons, and the session "
+    res.stdout.fnmatch_lines(["1 engine cycle: *; 0 failed; 0 test(s) failed for lifecycle reasons, and the session "
                               "failed on 2 strict sanitizer finding(s); backend sim"])
     assert json.loads(report.read_text())["totals"]["lifecycle_failures"] == 1
 

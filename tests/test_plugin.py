@@ -78,11 +78,10 @@ def test_engine_sequence_summary_and_report(pytester):
     report.parent.mkdir()
     res = run(pytester, f"--cudagraph-report={report}")
     res.assert_outcomes(passed=1)
-    res.stdout.fnmatch_lines(["*cudagraph lifecycle*", "*test_seq*held",
-                              "3 engine cycles, 0 fresh, 3 not fresh (3 held); 0 failed*"])
+    res.stdout.fnmatch_lines(["*cudagraph lifecycle*", "*test_seq*held", "3 engine cycles: 0 fresh, 3 held; 0 failed*"])
     data = json.loads(report.read_text())
     assert data["totals"] == {"tests": 1, "cycles": 3, "fresh": 0, "held": 3, "leaked": 0, "stale": 0, "reused": 0,
-                              "error": 0, "failed_cycles": 0, "lifecycle_failures": 0, "not_fresh": 3,
+                              "error": 0, "failed_cycles": 0, "lifecycle_failures": 0, "not_fresh": 0,
                               "sanitizer_findings": 0, "strict_session_findings": 0,
                               "outcomes": {"passed": 1, "failed": 0, "error": 0, "skipped": 0, "xfailed": 0,
                                            "xpassed": 0}}
@@ -444,7 +443,7 @@ def test_xdist_two_workers(pytester):
                               "engines held by reused workers (worker=fork)",
                               f"cudagraph: plugin from {os.path.dirname(os.path.abspath(pytest_cudagraph.__file__))}"])
     assert sum(line.startswith("cudagraph:") for line in res.stdout.lines) == 2, res.stdout.str()
-    res.stdout.fnmatch_lines(["8 engine cycles, 0 fresh, 8 not fresh (8 held); 0 failed*; backend sim"])
+    res.stdout.fnmatch_lines(["8 engine cycles: 0 fresh, 8 held; 0 failed*; backend sim"])
     data = json.loads(report.read_text())
     assert data["totals"]["cycles"] == 8
     assert (data["meta"]["effective_backend"], data["meta"]["gpus"]) == ("sim", 0)  # the controller ran no test

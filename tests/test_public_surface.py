@@ -17,7 +17,7 @@ RECORD = {"index": 0, "pid": 7, "rank": None, "backend": "sim", "engine": "t [en
           "problems": []}
 
 
-@pytest.mark.parametrize("old, now", [("fresh", False), ("bytes_before_release", 2 << 20),
+@pytest.mark.parametrize("old, now", [("fresh", True), ("bytes_before_release", 2 << 20),
                                       ("bytes_pinned_by_held_output", 4096), ("bytes_after_release", 4608)])
 def test_a_key_of_0_1_0_still_answers_and_warns_with_what_to_read(old, now):
     r = EngineRecord(RECORD)
@@ -27,10 +27,13 @@ def test_a_key_of_0_1_0_still_answers_and_warns_with_what_to_read(old, now):
         assert r.get(old) == now  # also through .get, as a suite's `c.get("fresh")` reads it
 
 
-def test_fresh_follows_the_verdict_and_new_keys_warn_nothing():
-    r = EngineRecord({**RECORD, "verdict": "fresh"})
+def test_fresh_means_what_it_did_in_0_1_0_and_new_keys_warn_nothing():
+    """0.1.0's fresh: the cycle's checks passed (a pool holding only the caller's output was fresh then)."""
     with pytest.warns(DeprecationWarning):
-        assert r["fresh"] is True
+        assert [EngineRecord({**RECORD, "verdict": v, "failed": f})["fresh"] for v, f in (
+            ("held", False), ("fresh", False), ("reused", False), ("fresh", True), ("leaked", True))] == \
+            [True, True, False, False, False]
+    r = EngineRecord({**RECORD, "verdict": "fresh"})
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert (r["verdict"], r.verdict, r.held_bytes, r.get("nope", 3)) == ("fresh", "fresh", 4096, 3)
@@ -58,7 +61,7 @@ import pytest
 from engines_mod import good, leaky
 
 def test_fresh_engines(engine_sequence):
-    records = engine_sequence(good, 2, output="drop")
+    records = engine_sequence(good, 2)  # the caller holds each output, as 0.1.0's README example did
     assert all(r["fresh"] for r in records)
 
 def test_a_leak(engine_sequence):
@@ -68,8 +71,9 @@ def test_a_leak(engine_sequence):
 
 
 def test_a_suite_written_for_0_1_0_runs_with_warnings_and_its_gate_holds(pytester):
-    """The README of 0.1.0: records read r["fresh"], the gate `jq -e '.totals.not_fresh == 0'`, the terminal's
-    `N engine cycles, F fresh, X not fresh` line. They run on 0.2.0, warned, and the report validates."""
+    """The README of 0.1.0: records read r["fresh"] (an engine whose pool held only the caller's output was fresh),
+    the gate `jq -e '.totals.not_fresh == 0'` (here 1: the leak). They run on 0.2.0, warned; the report
+    validates."""
     from test_plugin import ENGINES
 
     pytester.makepyfile(engines_mod=ENGINES, test_old=SUITE_OF_0_1_0)
@@ -77,13 +81,13 @@ def test_a_suite_written_for_0_1_0_runs_with_warnings_and_its_gate_holds(pyteste
     res = pytester.runpytest_subprocess("-p", "cudagraph", "-p", "no:cacheprovider", "--cudagraph-backend=sim",
                                         f"--cudagraph-report={report}", "-W", "default::DeprecationWarning")
     res.assert_outcomes(passed=2)
-    res.stdout.fnmatch_lines(["*DeprecationWarning: engine record key 'fresh' is deprecated since 0.2.0*",
-                              "3 engine cycles, 2 fresh, 1 not fresh (*"])
+    res.stdout.fnmatch_lines(["*DeprecationWarning: engine record key 'fresh' is deprecated since 0.2.0*"])
     data = json.loads(report.read_text())
     jsonschema.validate(data, schema())
     assert data["totals"]["not_fresh"] == 1 and data["meta"]["report_format"] == 2
-    assert data["warnings"] == ["totals.not_fresh is deprecated since 0.2.0 and goes in 0.3.0: read totals.cycles - "
-                                "totals.fresh, or gate on totals.lifecycle_failures (CHANGELOG.md)"]
+    assert data["warnings"] == ["totals.not_fresh is deprecated since 0.2.0 and goes in 0.3.0: read "
+                                "totals.lifecycle_failures to gate on (not_fresh counts the cycles that failed or "
+                                "reused a pool id) (CHANGELOG.md)"]
 
 
 def test_a_failing_sessions_report_validates_too(pytester):
