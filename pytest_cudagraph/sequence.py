@@ -67,8 +67,8 @@ class EngineSequence:
     """``engine_sequence(factory, n, output="hold")``: n engines one after another in one reused worker.
 
     Each engine is built by ``factory(backend)`` in the worker, captured, run and compared with eager,
-    released, and judged (``fresh``, ``held``, ``leaked``, ``stale``, ``reused``; see docs/verdicts.md). The caller
-    holds each engine's output (``output="hold"``) until the next engine has captured, or copies it out
+    released, and judged (``fresh``, ``held``, ``leaked``, ``stale``, ``reused``; see docs/verdicts.md). The
+    caller holds each engine's output (``output="hold"``) until the next engine has captured, or copies it out
     (``"drop"``). The records go to the terminal summary, the JSON report and the JUnit properties; a failed
     cycle, a crash or the allocator's assert raises :class:`EngineCycleError` naming the engine (unless
     ``check=False``). ``reload(engine)`` runs in the worker between two runs of each engine (a weight sync, a
