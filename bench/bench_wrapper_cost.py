@@ -335,6 +335,8 @@ def main():
     ap.add_argument("--segment-rounds", type=int, help="rounds of the segment profile (default 100 on cuda)")
     ap.add_argument("--json")
     a = ap.parse_args()
+    if a.segment_rounds is not None and a.segment_rounds < 2:
+        ap.error(f"--segment-rounds {a.segment_rounds}: give 2 or more (the spread it reports needs two rounds)")
     be = get_backend(a.backend)
     tgts = targets(be.name)
     fwd, dtype = model(be)
