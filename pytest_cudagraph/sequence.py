@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from cudagraph_lifecycle.record import ends_process
 from cudagraph_lifecycle.sizes import size_text
 
 from .assertions import EngineCycleError, check_record
@@ -193,9 +194,7 @@ class EngineSequence:
                     mine += self._merge(rank, recs)
                 self._publish()
                 for rec in [r for r in self.records[start:] if r["index"] == i]:
-                    # a stale capture ends its process in every sanitizer mode (cycle.ends_here): the next
-                    # engine starts in a fresh one, as it must where the allocator asserted
-                    if rec.get("poisoned") or rec.get("verdict") == "stale":
+                    if ends_process(rec.get("poisoned"), rec.get("verdict")):  # the next engine: a fresh one
                         self.worker.restart_before_next_call()
                 if check and any(r.get("failed") for r in self.records[start:] if r["index"] == i):
                     self._snapshot()

@@ -316,7 +316,7 @@ class ReusedWorker:
 
     def restart_before_next_call(self) -> None:
         """The child's CUDA is unusable (the allocator asserted), or a stale capture ended its story (in every
-        sanitizer mode, ``cycle.ends_here``): replace it at the next call."""
+        sanitizer mode, ``record.ends_process``): replace it at the next call."""
         self._needs_restart = True
 
     def close(self) -> None:

@@ -29,6 +29,13 @@ FAILING = ("stale", "leaked", "graphs_not_reset", "replay_mismatch", "replay_che
 STRICT_FAILING = ("reused", "pool_ids_mismatch", "release_incomplete", "sanitizer")
 
 
+def ends_process(poisoned: bool, verdict: str) -> bool:
+    """Whether judging stops at a cycle and its worker is replaced: the allocator asserted or torch poisoned the
+    process, or a capture went into a dead pool, where the allocator asserts unless a sanitizer refused it
+    first. A stale cycle ends alike in every sanitizer mode, so what is judged does not depend on what watched."""
+    return bool(poisoned) or verdict == "stale"
+
+
 def failing_kinds(strict: bool) -> frozenset[str]:
     """The problem kinds that fail a cycle, in strict mode or not."""
     return frozenset(FAILING) | (frozenset(STRICT_FAILING) if strict else frozenset())

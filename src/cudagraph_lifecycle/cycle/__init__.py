@@ -14,7 +14,7 @@ from .. import observe
 from ..backends import Backend, get_backend
 from ..errors import ConfigError
 from ..ledger import ledger, raised_site
-from ..record import FAILING, STRICT_FAILING, VERDICTS, CycleRecord, Problem
+from ..record import FAILING, STRICT_FAILING, VERDICTS, CycleRecord, Problem, ends_process
 from ..sanitizer.findings import PREVENTED_KINDS, collect
 from ..sanitizer.pins import graph_holder
 from ..sizes import size_text
@@ -66,11 +66,7 @@ STREAM_WORKSPACE_HINT = ("; an engine that makes its own stream leaves cuBLAS's 
 
 
 def ends_here(rec: CycleRecord) -> bool:
-    """Whether judging stops at this cycle: the allocator asserted or torch poisoned the process (nothing more
-    can run on it), or a capture went into a dead pool, where the allocator asserts unless a sanitizer refused
-    it first. A stale cycle ends in every sanitizer mode alike, so the verdicts up to it (and the process the
-    next engine runs in: the plugin replaces its worker) do not depend on whether anything was watching."""
-    return rec.poisoned or rec.verdict == "stale"
+    return ends_process(rec.poisoned, rec.verdict)
 
 
 def _located(e: ConfigError, step: str, label: str) -> ConfigError:
@@ -196,10 +192,8 @@ def run_cycle(
     # expandable segments only reported; a pool a reference keeps after its graphs went)
     raised = any(p.message.startswith("DefaultStreamCaptureError") for p in rec.problems)  # (in it already)
     refused = any(p.kind == "expandable_teardown" for p in rec.problems)
-    found = [f for f in collect(be, since, label, ("pool_never_retired", "default_stream_capture",
-                                                   "expandable_teardown"))
-             if (f.kind == "pool_never_retired" or (f.kind == "default_stream_capture" and not raised)
-                 or (f.kind == "expandable_teardown" and not refused))]
+    found = collect(be, since, label, ("pool_never_retired",) + (() if raised else ("default_stream_capture",))
+                    + (() if refused else ("expandable_teardown",)))
     rec.sanitizer = [f.as_dict() for f in found]
     for f in found:
         if f.kind in PREVENTED_KINDS:  # the engine never captured, and without the sanitizer it poisons
