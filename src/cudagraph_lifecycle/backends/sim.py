@@ -147,7 +147,7 @@ class SimBackend(Backend):
         return SimMemPool(self, device)
 
     # the allocator's pool rules; an assert poisons this world's RNG
-    def _incref_pool(self, pool_id: PoolId, device: int, create: bool) -> None:
+    def _incref_pool(self, pool_id: PoolId, device: int) -> None:
         if not self._alloc.incref(pool_id, device):
             # The real allocator asserts here, after the capture's generator bookkeeping began:
             # nothing random works in this process afterwards.

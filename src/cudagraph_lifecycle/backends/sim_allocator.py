@@ -184,8 +184,9 @@ class SimAllocator:
             self.host_pools[pool_id] -= 1
 
     def use_count(self, pool_id: PoolId, device: int) -> int:
-        pool = self.pools.get((device, pool_id))
-        return 0 if pool is None else pool.use_count
+        with self.lock:
+            pool = self.pools.get((device, pool_id))
+            return 0 if pool is None else pool.use_count
 
     def would_assert(self, pool_id: PoolId, device: int) -> bool:
         with self.lock:

@@ -92,7 +92,7 @@ class SimMemPool:
         self._backend = backend
         self.device = device
         self.id = backend._next_user_pool_id()
-        backend._incref_pool(self.id, device, create=True)
+        backend._incref_pool(self.id, device)
         self._released = False
 
     def use_count(self) -> int:
@@ -213,7 +213,7 @@ class SimGraph:
         device = stream.device
         self._stream = stream.id
         pool_id = tuple(pool) if pool is not None and tuple(pool) != (0, 0) else be._next_graph_pool_id()
-        be._incref_pool(pool_id, device, create=True)  # may assert and poison
+        be._incref_pool(pool_id, device)  # may assert and poison
         be._incref_host_pool(pool_id)  # after the device incref: a host assert leaks that reference
         self._pool, self._device = pool_id, device
         self._holds_refs = True

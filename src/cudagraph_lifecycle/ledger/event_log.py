@@ -72,8 +72,9 @@ class EventLog:
     def torch_refusals(self, since: int = 0, worlds: Any = None) -> list[DefaultStreamCapture]:
         """torch's own refusals of a capture on the default stream after sequence ``since`` (in ``worlds``, a
         container of worlds, if given), oldest first: each left the process's random ops poisoned."""
-        return [d for d in list(self.default_stream)
-                if not d.refused and d.seq > since and (worlds is None or d.key[0] in worlds)]
+        with self.lock:
+            return [d for d in self.default_stream
+                    if not d.refused and d.seq > since and (worlds is None or d.key[0] in worlds)]
 
     def failed_captures_since(self, since: int = 0, worlds: Any = None) -> list[FailedCapture]:
         """Captures whose end raised after sequence ``since`` (in ``worlds``, if given), oldest first."""
