@@ -73,12 +73,23 @@ OPTIONS = [
 BY_NAME = {o.name: o for o in OPTIONS}
 
 
+def shown_default(value: Any) -> str:
+    """A default as the help and the reference show it: on/off, none, 300 (not 300.0)."""
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return str(value)
+
+
 def add_options(parser: pytest.Parser) -> None:
     group = parser.getgroup("cudagraph", "CUDA graph lifecycle (pytest-cudagraph)")
     for o in OPTIONS:
         flag = f"--cudagraph-{o.name}"
         dest = "cudagraph_" + o.name.replace("-", "_")
-        text = f"{o.help} [env {o.env}, ini {o.ini}; default {o.default}]"
+        text = f"{o.help} [env {o.env}, ini {o.ini}; default {shown_default(o.default)}]"
         if o.kind == "bool":  # both forms: a flag can switch off what a variable or the ini switched on
             group.addoption(flag, action="store_true", default=None, dest=dest, help=text)
             group.addoption(f"--no-cudagraph-{o.name}", action="store_false", default=None, dest=dest,
@@ -238,8 +249,11 @@ def _convert(o: Option, raw: Any, source: str, ini: IniFile = PYTEST_INI) -> Any
 
 # the variables the library reads (the program-wide sanitizer, checked mode) and those the plugin sets for its
 # own workers: with the options' variables, every CUDAGRAPH_* name that means something
-LIBRARY_VARIABLES = ("CUDAGRAPH_SANITIZE", "CUDAGRAPH_SANITIZE_BACKEND", "CUDAGRAPH_EXPANDABLE_TEARDOWN",
-                     "CUDAGRAPH_CHECKED", "CUDAGRAPH_CAPTURE_PATH")
+LIBRARY_VARIABLES = {"CUDAGRAPH_SANITIZE": "the program-wide sanitizer",
+                     "CUDAGRAPH_SANITIZE_BACKEND": "the program-wide sanitizer's backend",
+                     "CUDAGRAPH_EXPANDABLE_TEARDOWN": "the library's expandable-segments teardown rule",
+                     "CUDAGRAPH_CHECKED": "the runner's checked mode",
+                     "CUDAGRAPH_CAPTURE_PATH": "the observation layer's capture path"}
 INTERNAL_VARIABLES = ("CUDAGRAPH_HAZARD_FILE", "CUDAGRAPH_IN_WORKER", "CUDAGRAPH_WORKER_TAG",
                       "CUDAGRAPH_CONFORMANCE_BACKEND")  # (the last: this project's conformance tests')
 
@@ -249,16 +263,20 @@ def unknown_variables(environ: Any) -> list[str]:
     ``CUDAGRAPH_WORKER``), with the nearest name that is read."""
     import difflib
 
-    known = [o.env for o in OPTIONS] + list(LIBRARY_VARIABLES)
+    # what each name sets, so that a near miss is told apart from its neighbour: CUDAGRAPH_SANITIZE (the
+    # program-wide sanitizer) is not CUDAGRAPH_SANITIZE_MODE (the plugin's --cudagraph-sanitize)
+    meaning = {o.env: f"--cudagraph-{o.name}" for o in OPTIONS}
+    meaning.update(LIBRARY_VARIABLES)
     out = []
     for name in sorted(k for k in environ if k.startswith("CUDAGRAPH_")):
-        if name in known or name in INTERNAL_VARIABLES:
+        if name in meaning or name in INTERNAL_VARIABLES:
             continue
-        suffixes = {k[len("CUDAGRAPH_"):]: k for k in known}  # compared without the prefix all of them share
-        near = difflib.get_close_matches(name[len("CUDAGRAPH_"):], list(suffixes), n=1, cutoff=0.6)
+        suffixes = {k[len("CUDAGRAPH_"):]: k for k in meaning}  # compared without the prefix all of them share
+        near = difflib.get_close_matches(name[len("CUDAGRAPH_"):], list(suffixes), n=2, cutoff=0.6)
+        named = " or ".join(f"{suffixes[n]} ({meaning[suffixes[n]]})" for n in near)
         out.append(f"{name} is set but nothing of pytest-cudagraph reads it"
-                   + (f": did you mean {suffixes[near[0]]}?" if near else
-                      f" (the variables it reads: {', '.join(sorted(set(known)))})"))
+                   + (f": did you mean {named}?" if near else
+                      f" (the variables it reads: {', '.join(sorted(meaning))})"))
     return out
 
 

@@ -17,6 +17,7 @@ the record's, the generated reference renders, and the README stays short.
 """
 
 import importlib.util
+import json
 import os
 import re
 import shlex
@@ -228,3 +229,28 @@ def test_the_generated_reference_renders():
     reference = hook.render((ROOT / "docs" / "reference.md").read_text())
     assert all(f"`{o.env}`" in reference and f"`{o.ini}`" in reference for o in OPTIONS)
     assert all(f"`{v}`" in reference for v in LIBRARY_VARIABLES)
+
+
+def _shown(page: str, lang: str, after: str) -> str:
+    """The body of the first ``lang`` block of ``page`` below the text ``after``."""
+    text = (ROOT / page).read_text()
+    return next(body for line, info, body in BLOCKS[page]
+                if info == lang and line > text[:text.index(after)].count("\n"))
+
+
+def test_the_examples_output_the_pages_show_is_what_the_examples_print(tmp_path):
+    """The totals line and table header on the verdicts page and the report's totals on the CI page are a real
+    run of the examples (the run they name: on a CPU, with MPI), not a hand-copied sample."""
+    pytest.importorskip("mpi4py", reason="the pages show the examples run with MPI (pip install mpi4py)")
+    _copy_examples(tmp_path)
+    report = tmp_path / "r.json"
+    p = subprocess.run([sys.executable, "-m", "pytest", "-p", "cudagraph", "-p", "no:cacheprovider", "examples/",
+                        f"--cudagraph-report={report}"], cwd=tmp_path, env=_env(), capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+    printed = p.stdout.splitlines()
+    table = _shown("docs/verdicts.md", "text", "## The terminal table").splitlines()
+    assert table[0] in printed, "the table's header changed: show today's on the verdicts page"
+    assert table[-1] in printed, "the totals line changed: show today's on the verdicts page"
+    shown = json.loads(_shown("docs/ci.md", "json", "`totals` reads:"))
+    assert shown == json.loads(report.read_text())["totals"], "show today's totals on the CI page"

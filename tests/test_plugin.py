@@ -699,10 +699,12 @@ def test_a_misspelled_variable_is_warned_with_the_name_that_is_read(pytester, mo
     pytester.makepyfile(test_a="def test_x(): pass")
     res = run(pytester, "-W", "always::pytest.PytestConfigWarning")
     res.assert_outcomes(passed=1, warnings=2)
+    # both near names, each with what it sets: the plugin's mode is not the program-wide sanitizer
     res.stdout.fnmatch_lines(["*CUDAGRAPH_SANITISE is set but nothing of pytest-cudagraph reads it: did you mean "
-                              "CUDAGRAPH_SANITIZE?*",
+                              "CUDAGRAPH_SANITIZE (the program-wide sanitizer) or CUDAGRAPH_SANITIZE_MODE "
+                              "(--cudagraph-sanitize)?*",
                               "*CUDAGRAPH_WORKER is set but nothing of pytest-cudagraph reads it: did you mean "
-                              "CUDAGRAPH_WORKER_KIND?*"], consecutive=False)
+                              "CUDAGRAPH_WORKER_KIND (--cudagraph-worker)?*"], consecutive=False)
 
 
 def test_strict_with_expandable_teardown_report_is_warned_and_reported_as_applied(pytester):

@@ -39,13 +39,10 @@ def _cell(text: str) -> str:
 
 
 def _default(value: Any) -> str:
-    if value is None:
-        return "none"
-    if isinstance(value, bool):
-        return "off" if not value else "on"
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    return f"`{value}`"
+    from pytest_cudagraph.settings import shown_default
+
+    shown = shown_default(value)
+    return shown if value is None or isinstance(value, bool) else f"`{shown}`"
 
 
 def options_table() -> str:
