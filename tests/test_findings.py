@@ -273,7 +273,7 @@ def test_the_heap_index_gives_what_a_scan_gives_but_the_searchs_own_lists():
     t = torch.ones(3)
     slot, pair, cell_fn = _Slot(), (t, t), (lambda: t)
     slot.t, keep = t, {"t": t, "pair": pair}
-    own = heap_index._Found([t, slot])  # a search's own list is left out of the index, not out of a scan
+    own = heap_index.Found([t, slot])  # a search's own list is left out of the index, not out of a scan
     looked_up = (t, slot, pair, keep, cell_fn.__closure__[0])
     index = heap_index._heap_index()
     for obj in looked_up:

@@ -8,12 +8,12 @@ from typing import Any
 import torch
 
 from ..backends import Backend
-from .tensor_blocks import _blocks_of, _shape
+from .tensor_blocks import blocks_of, shape_of
 
 _AUTOGRAD_NODES = 20000  # autograd nodes walked at most
 
 
-def _saved(node: Any) -> tuple[list[torch.Tensor], int]:
+def tensors_saved_by(node: Any) -> tuple[list[torch.Tensor], int]:
     """The tensors ``node`` saved for backward, and how many it saved that cannot be read back: autograd
     refuses a saved tensor modified in place since (a graph replay, a copy into a static buffer)."""
     out, unreadable = [], 0
@@ -31,7 +31,7 @@ def _saved(node: Any) -> tuple[list[torch.Tensor], int]:
     return out, unreadable
 
 
-def _autograd(backend: Backend, tensors: list, blocks: list[tuple], owner: dict, name) -> str | None:
+def autograd_holder(backend: Backend, tensors: list, blocks: list[tuple], owner: dict, name) -> str | None:
     """Tensors saved for backward by the autograd graphs that live tensors carry: roots that Python names
     first (a root held only from C++ is itself part of such a graph). Returns the first named root whose
     graph saved tensors that cannot be read back, for blocks nothing else explains."""
@@ -40,7 +40,7 @@ def _autograd(backend: Backend, tensors: list, blocks: list[tuple], owner: dict,
     roots = [(t, name(t)) for t in tensors if getattr(t, "grad_fn", None) is not None]
     blind = None  # the first named root whose graph saved tensors that cannot be read back
     for root, held_as in sorted(roots, key=lambda r: r[1] is None):
-        what = f"the autograd graph of a tensor {_shape(root)}" + (f" held as {held_as}" if held_as else "")
+        what = f"the autograd graph of a tensor {shape_of(root)}" + (f" held as {held_as}" if held_as else "")
         todo = [root.grad_fn]
         while todo and len(seen) < _AUTOGRAD_NODES:
             node = todo.pop()
@@ -48,9 +48,9 @@ def _autograd(backend: Backend, tensors: list, blocks: list[tuple], owner: dict,
                 continue
             seen.add(id(node))
             visited.append(node)
-            saved, unreadable = _saved(node)
+            saved, unreadable = tensors_saved_by(node)
             for t in saved:
-                for i in _blocks_of(backend, t, blocks):
+                for i in blocks_of(backend, t, blocks):
                     owner.setdefault(i, ("autograd_history", what))
             if unreadable and blind is None and held_as is not None:
                 blind = what

@@ -2,7 +2,7 @@
 heap), or, once a search has scanned often, an index of every object's referrers built in one pass; and the
 words a search keeps for holders many tensors share.
 
-A search is per thread (``_names.search``, nested calls share it); outside one every lookup scans.
+A search is per thread (``search_slot.search``, nested calls share it); outside one every lookup scans.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from ..ledger import is_machinery
 _INDEX_AFTER = 32
 
 
-class _Found(list):
+class Found(list):
     """A list this search made of the program's objects: never a holder, and left out of the heap's index."""
 
 
@@ -28,7 +28,7 @@ class _Multi(list):
     """An object's referrers in the index where there are several (one is kept bare: most have one)."""
 
 
-class _Search:
+class Search:
     """What one what_pins call keeps (per thread, nested calls share it): the words found for holders many
     tensors share, and the referrers of every object, indexed once the heap has been scanned often. The program
     does not run meanwhile, so the index stays true: its referrers keep what they refer to alive, so no id is
@@ -41,16 +41,16 @@ class _Search:
         self.scans = 0
         self.index: dict[int, Any] | None = None
 
-    def referrers(self, obj: Any) -> _Found:
+    def referrers(self, obj: Any) -> Found:
         if not gc.is_tracked(obj):  # the index has no key for it
-            return _Found(gc.get_referrers(obj))
+            return Found(gc.get_referrers(obj))
         if self.index is None:
             self.scans += 1
             if self.scans <= _INDEX_AFTER:
-                return _Found(gc.get_referrers(obj))
+                return Found(gc.get_referrers(obj))
             self.index = _heap_index()
         found = self.index.get(id(obj))
-        return _Found(() if found is None else found if type(found) is _Multi else (found,))
+        return Found(() if found is None else found if type(found) is _Multi else (found,))
 
     def close(self) -> None:
         """Let go of what the index holds now (a frame kept in it would keep the search's locals alive)."""
@@ -65,7 +65,7 @@ def _heap_index() -> dict[int, Any]:
     index: dict[int, Any] = {}
     get, tracked, referents = index.get, gc.is_tracked, gc.get_referents
     for o in gc.get_objects():
-        if type(o) is _Found or type(o) is types.FrameType and is_machinery(o.f_code.co_filename):
+        if type(o) is Found or type(o) is types.FrameType and is_machinery(o.f_code.co_filename):
             continue  # (the search's frames hold its locals: no holder of the program's)
         for r in referents(o):
             if not tracked(r):
@@ -82,19 +82,19 @@ def _heap_index() -> dict[int, Any]:
     return index
 
 
-def _referrers(obj: Any) -> _Found:
+def referrers_of(obj: Any) -> Found:
     """``gc.get_referrers(obj)``, from the search's index where it has one."""
-    search = getattr(_names, "search", None)
-    return _Found(gc.get_referrers(obj)) if search is None else search.referrers(obj)
+    search = getattr(search_slot, "search", None)
+    return Found(gc.get_referrers(obj)) if search is None else search.referrers(obj)
 
 
-# during what_pins, per thread: its _Search
-_names = threading.local()
+# during what_pins, per thread: its Search
+search_slot = threading.local()
 
 
-def _memoised(key: tuple[int, int], words: Callable[[], Any]) -> Any:
+def memoised(key: tuple[int, int], words: Callable[[], Any]) -> Any:
     """``words()``, once per key during a search (outside one: every time)."""
-    search = getattr(_names, "search", None)
+    search = getattr(search_slot, "search", None)
     if search is None:
         return words()
     memo = search.memo

@@ -17,12 +17,12 @@ from typing import Any
 import torch
 
 from ..ledger import is_machinery, is_user_file
-from .heap_index import _Found, _memoised, _referrers
+from .heap_index import Found, memoised, referrers_of
 
 _LIBRARY_NODES = 16  # objects of a library's closures walked through at most, up to what the user holds
 
 
-def _held_as(ref: weakref.ref, depth: int) -> str | None:
+def held_where(ref: weakref.ref, depth: int) -> str | None:
     """Who holds the object ``ref`` refers to, in words, or None (gone, or no Python holder). The object is
     held only for the search, and this search's own frames are no holder."""
     obj = ref()
@@ -32,7 +32,7 @@ def _held_as(ref: weakref.ref, depth: int) -> str | None:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # deprecated module attributes warn when touched
-            return _holder(obj, {id(here), id(here.f_back)}, depth)
+            return holder_of(obj, {id(here), id(here.f_back)}, depth)
     finally:
         del obj
 
@@ -44,15 +44,15 @@ def _module_named(d: dict) -> str | None:
     return None
 
 
-def _holder(obj: Any, ignore: set[int], depth: int = 3) -> str | None:
+def holder_of(obj: Any, ignore: set[int], depth: int = 3) -> str | None:
     """Who refers to ``obj``, in words: the first referrer that names it (up to ``depth`` levels up); None
     when no Python object does (then C++ holds it: an autograd graph, a library)."""
-    refs = _referrers(obj)
+    refs = referrers_of(obj)
     if gc.get_freeze_count():
         refs += _frozen_holders(obj)
     ignore = ignore | {id(sys._getframe()), id(refs)}  # this call's own list and frame refer to it too
     unnamed = None  # a container that holds it but that nothing names (a running function's local)
-    library: list = _Found()  # cells of library functions' closures that hold it: walked through last
+    library: list = Found()  # cells of library functions' closures that hold it: walked through last
     for ref in refs:
         if id(ref) in ignore:
             continue
@@ -139,10 +139,10 @@ def _attribute_holding(obj: Any, fn: types.FunctionType) -> str | None:
 
 def _cell_owner(cell: types.CellType) -> types.FunctionType | None:
     """The function whose closure holds ``cell`` (None for a cell only a running frame holds)."""
-    closure = next((f for f in _referrers(cell) if isinstance(f, tuple)), None)
+    closure = next((f for f in referrers_of(cell) if isinstance(f, tuple)), None)
     if closure is None:
         return None
-    return next((f for f in _referrers(closure) if isinstance(f, types.FunctionType)), None)
+    return next((f for f in referrers_of(closure) if isinstance(f, types.FunctionType)), None)
 
 
 def _is_library(obj: Any) -> bool:
@@ -174,9 +174,9 @@ def _library_parent(ref: Any, node: Any, skip: set[int]) -> Any:
     if isinstance(ref, (staticmethod, classmethod, types.MethodType, functools_partial)):
         return ref
     if isinstance(ref, tuple):  # a class's bases or mro leads nowhere; any other tuple is a container
-        return None if all(isinstance(o, type) for o in _referrers(ref) if id(o) not in skip) else _USER
+        return None if all(isinstance(o, type) for o in referrers_of(ref) if id(o) not in skip) else _USER
     if isinstance(ref, dict):  # a library class's namespace, a library function's or wrapper's __dict__
-        for o in _referrers(ref):
+        for o in referrers_of(ref):
             if isinstance(o, type) and any(v is node for v in vars(o).values()) \
                     or getattr(o, "__dict__", None) is ref:
                 return o if _is_library(o) or isinstance(o, (staticmethod, classmethod)) else _USER
@@ -190,13 +190,13 @@ def _through_library(fn: types.FunctionType, ignore: set[int], depth: int) -> st
     """A library function (torch's ``make_graphed_callables``) keeps the object in its closure: walk up its
     closures, classes and method wrappers to the first object the user's code holds, and name that holder.
     None where the walk reaches none. Once per function in a search (its tensors share it)."""
-    return _memoised((id(fn), -depth), lambda: _walk_library(fn, ignore, depth))
+    return memoised((id(fn), -depth), lambda: _walk_library(fn, ignore, depth))
 
 
 def _walk_library(fn: types.FunctionType, ignore: set[int], depth: int) -> str | None:
-    todo, seen = _Found([fn]), {id(fn)}
+    todo, seen = Found([fn]), {id(fn)}
     for node in todo:  # grows as it goes
-        refs = _referrers(node)
+        refs = referrers_of(node)
         skip = ignore | {id(refs), id(sys._getframe()), id(todo)}
         held = False
         for ref in refs:
@@ -212,7 +212,7 @@ def _walk_library(fn: types.FunctionType, ignore: set[int], depth: int) -> str |
                 todo.append(parent)
         del refs  # alive, it would be a referrer of the next node
         if held:
-            named = _holder(node, skip, depth)
+            named = holder_of(node, skip, depth)
             if named is not None:
                 made_by = fn.__qualname__.partition(".<locals>")[0]
                 what = getattr(node, "__qualname__", type(node).__qualname__).rpartition(".")[2]
@@ -264,10 +264,10 @@ def _up(obj: Any, ignore: set[int], depth: int) -> str:
     if depth <= 1:
         return ""
     def words() -> str:
-        up = _holder(obj, ignore, depth - 1)
+        up = holder_of(obj, ignore, depth - 1)
         return f" ({up})" if up else ""
 
-    return _memoised((id(obj), depth), words)
+    return memoised((id(obj), depth), words)
 
 
 _MODULE_SLOTS = (("_buffers", "buffer"), ("_parameters", "parameter"), ("_modules", "submodule"))
@@ -275,7 +275,7 @@ _MODULE_SLOTS = (("_buffers", "buffer"), ("_parameters", "parameter"), ("_module
 
 def _module_slot(d: dict, ignore: set[int]) -> tuple[str, torch.nn.Module] | None:
     """(``buffer``/``parameter``/``submodule``, the module) where ``d`` is a torch module's dict of those."""
-    for ref in _referrers(d):
+    for ref in referrers_of(d):
         if id(ref) in ignore or type(ref) is not dict:
             continue
         kind = next((k for attr, k in _MODULE_SLOTS if ref.get(attr) is d), None)
@@ -289,7 +289,7 @@ def _module_slot(d: dict, ignore: set[int]) -> tuple[str, torch.nn.Module] | Non
 def _dict_owner(d: dict, ignore: set[int], key: Any, obj: Any) -> Any:
     """The object whose ``__dict__`` ``d`` is, or the class whose namespace it is (a class shows it as a
     mappingproxy, so it is told by holding ``obj`` under ``key``), or None. One pass over the referrers."""
-    for ref in _referrers(d):
+    for ref in referrers_of(d):
         if id(ref) in ignore or isinstance(ref, (dict, list, tuple, types.FrameType)):
             continue
         if issubclass(type(ref), type):

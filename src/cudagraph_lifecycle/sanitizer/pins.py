@@ -32,10 +32,10 @@ import torch
 from ..backends import Backend
 from ..ledger import Key, ledger
 from ..sizes import size_text
-from .autograd_pins import _autograd, _saved
-from .heap_index import _Found, _names, _Search
-from .holders import _held_as, _holder
-from .tensor_blocks import _blocks_of, _shape
+from .autograd_pins import autograd_holder, tensors_saved_by
+from .heap_index import Found, Search, search_slot
+from .holders import held_where, holder_of
+from .tensor_blocks import blocks_of, shape_of
 
 _TENSOR_DEPTH = 5  # holders named up from a pinned tensor (a buffer, its module, a dict, an engine, a global)
 
@@ -93,22 +93,22 @@ def what_pins(backend: Backend, keys: list[Key], known: dict[int, str] | None = 
         return []
     owner: dict[int, tuple[str, str]] = {}  # block index -> (cause, holder)
     tensor = torch.Tensor
-    tensors = _Found(o for o in gc.get_objects() if issubclass(type(o), tensor))  # type(): no __class__ lookups
+    tensors = Found(o for o in gc.get_objects() if issubclass(type(o), tensor))  # type(): no __class__ lookups
     ignore = {id(tensors), id(sys._getframe())}
     known = known or {}
 
     def name(t: Any) -> str | None:  # up to what the user can drop: a global, an engine's attribute
-        return known.get(id(t)) or _holder(t, ignore, _TENSOR_DEPTH)
+        return known.get(id(t)) or holder_of(t, ignore, _TENSOR_DEPTH)
 
-    outer = getattr(_names, "search", None)
+    outer = getattr(search_slot, "search", None)
     if outer is None:  # the outermost search of this thread: the objects stay alive meanwhile, ids are stable
-        _names.search = _Search()
+        search_slot.search = Search()
     try:
         blind = _name_owners(backend, tensors, blocks, owner, name)
     finally:
         if outer is None:
-            _names.search.close()
-            _names.search = None
+            search_slot.search.close()
+            search_slot.search = None
     del tensors
     if len(owner) < len(blocks) and clear_workspaces:
         _workspaces(backend, keys, blocks, owner)
@@ -125,16 +125,16 @@ def what_pins(backend: Backend, keys: list[Key], known: dict[int, str] | None = 
 
 
 def _name_owners(backend: Backend, tensors: list, blocks: list[tuple], owner: dict, name) -> str | None:
-    """The Python holders of the blocks' tensors, then the autograd graphs' (``_autograd``'s return)."""
+    """The Python holders of the blocks' tensors, then the autograd graphs' (``autograd_holder``'s return)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # deprecated module attributes warn when touched
         for t in tensors:
-            hit = [i for i in _blocks_of(backend, t, blocks) if i not in owner]
+            hit = [i for i in blocks_of(backend, t, blocks) if i not in owner]
             held_as = name(t) if hit else None  # a tensor no Python object names is held from C++ (autograd)
             for i in hit:
                 if held_as is not None:
-                    owner[i] = ("python_reference", f"a tensor {_shape(t)} held as {held_as}")
-        return _autograd(backend, tensors, blocks, owner, name) if len(owner) < len(blocks) else None
+                    owner[i] = ("python_reference", f"a tensor {shape_of(t)} held as {held_as}")
+        return autograd_holder(backend, tensors, blocks, owner, name) if len(owner) < len(blocks) else None
 
 
 _REACH = 200_000  # objects walked from a held output at most; beyond that nothing is judged at once
@@ -165,7 +165,7 @@ def beyond_output(backend: Backend, keys: list[Key], output: Any) -> list[tuple[
                 continue
             seen.add(id(obj))
             if isinstance(obj, tensor):
-                covered.update(_blocks_of(backend, obj, blocks))
+                covered.update(blocks_of(backend, obj, blocks))
                 nodes.append(obj.grad_fn)
             # what cannot refer to anything (ints of a token list, strings) is not walked
             todo += [o for o in gc.get_referents(obj) if gc.is_tracked(o) or isinstance(o, tensor)]
@@ -175,7 +175,7 @@ def beyond_output(backend: Backend, keys: list[Key], output: Any) -> list[tuple[
             continue
         seen_nodes.add(id(node))
         kept.append(node)
-        todo += _saved(node)[0] + gc.get_referents(node)  # a custom Function's ctx attributes too
+        todo += tensors_saved_by(node)[0] + gc.get_referents(node)  # a custom Function's ctx attributes too
         nodes += [f for f, _ in getattr(node, "next_functions", ())]
     return [(lo, hi) for i, (lo, hi, _, _) in enumerate(blocks) if i not in covered]
 
@@ -185,7 +185,7 @@ def graph_holder(entries: list) -> str | None:
     never reset after its engine's release is kept by someone, and that someone is the fix. None where no
     Python object names any (a C++ holder, or all of them gone)."""
     # up to where the engine keeps it
-    return next((named for entry in entries if (named := _held_as(entry, 5)) is not None), None)
+    return next((named for entry in entries if (named := held_where(entry, 5)) is not None), None)
 
 
 def mempool_notes(keys: list[Key]) -> dict[Key, str]:
@@ -196,7 +196,7 @@ def mempool_notes(keys: list[Key]) -> dict[Key, str]:
         ref = ledger.mempools.get(k)
         if ref is None or ref() is None:
             continue
-        holder = _held_as(ref, 4) or \
+        holder = held_where(ref, 4) or \
             "a holder the garbage collector does not see (a local variable of a function still running, or C++)"
         out[k] = (f"pool {k[2]}'s MemPool object is alive, held as {holder}: while it lives the pool keeps its "
                   "segments reserved; drop it at release (or give each engine a MemPool of its own)")

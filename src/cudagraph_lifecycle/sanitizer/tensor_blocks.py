@@ -7,7 +7,7 @@ import torch
 from ..backends import Backend
 
 
-def _blocks_of(backend: Backend, t: torch.Tensor, blocks: list[tuple]) -> list[int]:
+def blocks_of(backend: Backend, t: torch.Tensor, blocks: list[tuple]) -> list[int]:
     span = backend.storage_span(t)
     if span is None:
         return []
@@ -15,5 +15,5 @@ def _blocks_of(backend: Backend, t: torch.Tensor, blocks: list[tuple]) -> list[i
     return [i for i, (blo, bhi, _, _) in enumerate(blocks) if lo < bhi and blo < max(hi, lo + 1)]
 
 
-def _shape(t: torch.Tensor) -> str:
+def shape_of(t: torch.Tensor) -> str:
     return f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}"
