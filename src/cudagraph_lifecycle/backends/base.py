@@ -179,11 +179,13 @@ class Backend(ABC):
     @abstractmethod
     def stream(self, stream: Any) -> contextlib.AbstractContextManager: ...
 
-    def prewarm(self, device: int = 0, backward: bool = False) -> None:
-        """Create the per-stream library workspaces (cuBLAS, cuBLASLt) of the streams captures run on (the
-        default stream, the process's capture stream, torch.cuda.graph's own) now: a workspace created inside
-        a capture pins that graph's pool for good, and one created between two baselines counts as growth.
+    def prewarm(self, device: int = 0, backward: bool = False, torch_capture_stream: bool = False) -> None:
+        """Create the per-stream library workspaces (cuBLAS, cuBLASLt) of the streams this library owns (the
+        default stream, the process's capture stream) now: a workspace created inside a capture pins that
+        graph's pool for good, and one created between two baselines counts as growth.
         ``backward``: also those of autograd's device thread, whose cuBLAS handle is its own.
+        ``torch_capture_stream``: also torch.cuda.graph's own stream, where it exists (to make again what
+        clearing the caches took; a cycle leaves it alone: what lands there is what the engine does).
         Cheap when they exist; ``torch._dynamo.reset()`` frees them, so cycles call this every time. The
         simulated allocator has no library workspaces: nothing to do there."""
         return None

@@ -68,16 +68,13 @@ class CudaBackend(Backend):
     def current_device(self) -> int:
         return torch.cuda.current_device()
 
-    def prewarm(self, device: int = 0, backward: bool = False) -> None:
-        # torch.cuda.graph captures on a process-wide stream of its own when given none (so does
-        # make_graphed_callables): measured on the H200, the first capture on it put cuBLAS's 32 MiB
-        # workspace into that graph's pool and pinned it for good.
-        graph_ctx = torch.cuda.graph
-        if getattr(graph_ctx, "default_capture_stream", False) is None:
-            graph_ctx.default_capture_stream = torch.cuda.Stream()
+    def prewarm(self, device: int = 0, backward: bool = False, torch_capture_stream: bool = False) -> None:
         streams = [torch.cuda.current_stream(self.torch_device(device)), self.capture_stream(device)]
-        default_capture = getattr(graph_ctx, "default_capture_stream", None)
-        if default_capture is not None and default_capture.device.index == device:
+        # torch.cuda.graph's own stream (make_graphed_callables captures there too) is the engine's: a
+        # process's first capture on it leaves cuBLAS's workspace in that graph's pool, which plain PyTorch
+        # loses too. Warmed only to put back what clearing the workspaces took away, and never created here.
+        default_capture = getattr(torch.cuda.graph, "default_capture_stream", None)
+        if torch_capture_stream and default_capture is not None and default_capture.device.index == device:
             streams.append(default_capture)
         dev = self.torch_device(device)
         for stream in streams:
@@ -227,7 +224,7 @@ class CudaBackend(Backend):
         devices = range(torch.cuda.device_count())
         before = sum(self.default_pool_reserved(d) for d in devices)
         for device in devices:
-            self.prewarm(device, backward=True)
+            self.prewarm(device, backward=True, torch_capture_stream=True)
         self.workspace_bytes_remade += max(0, sum(self.default_pool_reserved(d) for d in devices) - before)
         return True
 
