@@ -10,9 +10,10 @@
 # written inside the device tool's 10-minute limit; a step that no time is left for is listed as skipped.
 # GPU_CHECK_ONLY (an extended regex) runs only the steps whose names match, for a session short of device
 # time; the others are listed as not selected. GPU_CHECK_BASELINE (a folder holding another tree's src/,
-# pytest_cudagraph/, setup.py and pyproject.toml, e.g. `git archive <commit>` of the tree before a refactor)
-# runs the runner (its step, sanitizer and flush parts) and worker benchmarks on that tree too, in the same call, beside this tree's: a before/after
-# on one machine. GPU_CHECK_COMMIT names this tree's commit in the summary (the machine gets no .git).
+# pytest_cudagraph/, bench/, examples/ (its worker bench imports the engines there), setup.py and
+# pyproject.toml: `git archive <commit> src pytest_cudagraph bench examples setup.py pyproject.toml README.md`
+# of the tree before a refactor, carried) runs the runner (its step, sanitizer and flush parts) and worker
+# benchmarks on that tree too, in the same call, beside this tree's: a before/after on one machine. GPU_CHECK_COMMIT names this tree's commit in the summary (the machine gets no .git).
 set -u -o pipefail
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"

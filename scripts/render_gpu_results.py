@@ -29,7 +29,7 @@ def main(folder: str) -> None:
     summary = open(os.path.join(folder, "summary.md")).read().strip()
     print("# GPU results\n")
     print(f"Every figure about GPU behaviour in these docs comes from this page: the latest run of "
-          f"`scripts/gpu_check.sh` (through the device tool, one call), its summary and JSON files in "
+          f"`scripts/gpu_check.sh` (through the device tool; the summary lists its calls), its summary and JSON files in "
           f"`docs/gpu-results/{os.path.basename(os.path.normpath(folder))}/`. Earlier runs are in the git history "
           f"of that folder. Rendered with `python scripts/render_gpu_results.py <folder>`.\n")
     print(summary.replace("# GPU check", "## The run", 1))
@@ -52,7 +52,8 @@ def main(folder: str) -> None:
         if st:
             print(f"| runner step / raw copy-in + replay (launch-bound, batch 1, fp16) | {st['runner_over_raw']:.3f} "
                   f"({st['runner_us']:.1f} vs {st['raw_copy_replay_us']:.1f} µs; eager {st['eager_us']:.1f} µs) | ≤ 1.05 |")
-        cases = mem.items() if "small" in mem else [("small", mem)]  # older runs had one model
+        # older runs had one model; a run with --only leaves the memory part out
+        cases = (mem.items() if "small" in mem else [("small", mem)]) if mem else []
         for name, m in cases:
             model = (f"{name}: hidden {m.get('hidden')}" + (f", ffn {m['ffn']}" if m.get("ffn") else "")
                      + f", {m.get('dtype', 'float32')}, sizes {m.get('sizes', '1..128')}")
