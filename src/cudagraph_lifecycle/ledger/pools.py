@@ -138,13 +138,12 @@ class PoolTable:
 
     # events (the observation layer calls these) -----------------------------------------------------
     def note_minted(self, world: Any, pool_id: PoolId, where: Stack) -> None:
+        """A pool id was minted (a handle, a MemPool): kept until its first capture makes the entry. An id is
+        new when minted, so no entry of it exists yet."""
         with self.lock:
             self.minted[(world, pool_id)] = where
             while len(self.minted) > _REMEMBERED:
                 self.minted.popitem(last=False)
-            e = self.pools.get((world, 0, pool_id))
-            if e is not None and e.minted_at is None:
-                e.minted_at = where
 
     def pool_reference(self, world: Any, device: int, pool: PoolId, delta: int, where: Stack | str) -> None:
         """A reference taken (MemPool born, warm-up allocation begun) or given back outside any graph."""
