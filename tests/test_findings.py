@@ -320,6 +320,8 @@ class WorkspaceSim(SimBackend):
     """A simulated allocator with one library workspace cache, as cuBLAS keeps per stream: a block made
     inside a capture stays alive in that graph's pool until the cache is cleared."""
 
+    has_library_workspaces = True
+
     def __init__(self):
         super().__init__()
         self.workspace = None  # the storage alone, as C++ holds it: no Python tensor refers to it
@@ -362,7 +364,17 @@ def test_the_caches_are_not_cleared_while_a_graph_lives():
     be, san, key, other = _workspace_pinned(keep_graph_alive=True)
     (pin,) = what_pins(be, [key])
     assert pin.cause == "unknown" and be.cleared == 0, pin.holder  # a live graph may replay into a workspace
+    assert pin.holder == ("a holder the garbage collector does not see (not looked for as a library workspace: "
+                          "1 graph of the device alive, which may replay into one)")
     assert "record allocation stacks" in pin.fix
+    san.stop()
+
+
+def test_a_backend_without_library_workspaces_does_not_say_one_was_not_looked_for():
+    be, san, key, other = _workspace_pinned(keep_graph_alive=True)
+    be.has_library_workspaces = False  # the plain simulated allocator: no workspace could be there
+    (pin,) = what_pins(be, [key])
+    assert (pin.cause, pin.holder) == ("unknown", "a holder the garbage collector does not see")
     san.stop()
 
 

@@ -61,7 +61,7 @@ LEAK_PINS = {
 }
 # ... where the output was held: the leak is judged once the next engine has captured, and while its graphs
 # live no workspace cache may be cleared to name one (a live graph may replay into it)
-LEAK_PINS_HELD = {style: ("unknown", "a holder the garbage collector does not see") for style in ("i", "o")}
+LEAK_PINS_HELD = {style: ("unknown", "not looked for as a library workspace") for style in ("i", "o")}
 CELLS = sorted(EXPECTED)
 
 

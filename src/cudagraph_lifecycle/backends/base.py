@@ -292,6 +292,9 @@ class Backend(ABC):
         backend's devices."""
         return None
 
+    # whether clear_library_workspaces can drop anything here: where it can, a block nothing names while a
+    # graph lives may be a workspace that was not looked for, and the pin says so
+    has_library_workspaces = False
     # default-pool bytes that clear_library_workspaces made again, over this world's life: an engine cycle
     # leaves them out of the engine's growth (the tool made them, not the engine)
     workspace_bytes_remade = 0

@@ -214,6 +214,8 @@ class CudaBackend(Backend):
             return None
         return st.data_ptr(), st.data_ptr() + st.nbytes()
 
+    has_library_workspaces = True
+
     def clear_library_workspaces(self) -> bool:
         fn = _private("_cuda_clearCublasWorkspaces")
         if fn is None or not torch.cuda.is_initialized() or torch.cuda.is_current_stream_capturing():

@@ -110,15 +110,16 @@ def what_pins(backend: Backend, keys: list[Key], known: dict[int, str] | None = 
             search_slot.search.close()
             search_slot.search = None
     del tensors
+    unseen = "a holder the garbage collector does not see"
     if len(owner) < len(blocks) and clear_workspaces:
-        _workspaces(backend, keys, blocks, owner)
+        unseen += _workspaces(backend, keys, blocks, owner)
     if blind is not None and infer:  # what is left is most likely what tensors that graph saved hold
         for i in range(len(blocks)):
             owner.setdefault(i, ("autograd_history", f"{blind} (inferred: tensors it saved were overwritten in "
                                                      "place since, so autograd will not hand them back to compare)"))
     grouped: dict[tuple[str, str], int] = {}
     for i, (_, _, size, _) in enumerate(blocks):
-        cause, holder = owner.get(i, ("unknown", "a holder the garbage collector does not see"))
+        cause, holder = owner.get(i, ("unknown", unseen))
         grouped[(cause, holder)] = grouped.get((cause, holder), 0) + size
     pins = [Pin(cause, n, holder, FIXES[cause]) for (cause, holder), n in grouped.items()]
     return sorted(pins, key=lambda p: -p.bytes)
@@ -203,14 +204,19 @@ def mempool_notes(keys: list[Key]) -> dict[Key, str]:
     return out
 
 
-def _workspaces(backend: Backend, keys: list[Key], blocks: list[tuple], owner: dict) -> None:
-    """Clear the libraries' workspace caches, where no graph of the device is alive, and see what went."""
+def _workspaces(backend: Backend, keys: list[Key], blocks: list[tuple], owner: dict) -> str:
+    """Clear the libraries' workspace caches, where no graph of the device is alive, and see what went. What
+    an unexplained block's holder adds: why no workspace was looked for, where one could have been."""
     devices = {d for _, _, _, d in blocks}
-    live = {g.device for g in ledger.live_graphs(backend.world)}
-    if devices & live or not backend.clear_library_workspaces():
-        return
+    live = [g for g in ledger.live_graphs(backend.world) if g.device in devices]
+    if live:
+        return (f" (not looked for as a library workspace: {len(live)} graph{'s' * (len(live) != 1)} of the "
+                "device alive, which may replay into one)") if backend.has_library_workspaces else ""
+    if not backend.clear_library_workspaces():
+        return ""
     left = {(b.address, b.size) for k in keys for b in backend.live_blocks(k[2], k[1])}
     for i, (lo, _, size, _) in enumerate(blocks):
         if i not in owner and (lo, size) not in left:
             owner[i] = ("library_workspace", "a cuBLAS workspace created inside a capture (the caches were "
                                              "cleared to find it: freed now, and made again outside any capture)")
+    return ""
