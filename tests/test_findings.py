@@ -1658,6 +1658,9 @@ def test_an_output_the_comparison_cannot_see_into_is_a_usage_error():
     jagged = [torch.nested.nested_tensor([torch.ones(2, 4), torch.ones(3, 4)], layout=torch.jagged) for _ in (0, 1)]
     with pytest.raises(ConfigError, match=r"the replay-versus-eager comparison cannot subtract these outputs \("):
         max_abs_err(jagged[0], jagged[1])  # the harness's subtraction, not the engine's run, failed
+    with pytest.raises(ConfigError, match=r"^run\(x\) returned 0 tensor\(s\) \(float\), eager\(x\) 1 \(Tensor\): "
+                                          r"they must return the same tensors"):
+        max_abs_err(0.5, torch.ones(2))  # a run(x) that returns a number: say what it returned
 
 
 class ReleaseRaises(OwnPoolEngine):

@@ -752,16 +752,19 @@ def _gate_script() -> str:
     (1, 1, True, "1 lifecycle failure(s): see reports/cudagraph.json"),  # read after pytest failed too
     (1, 0, True, None),  # a failure of another kind still fails the job
     (0, 2, True, "2 lifecycle failure(s)"),
-], ids=["green", "lifecycle", "other failure", "report only"])
+    (4, None, True, None),  # a usage error writes no report: the job exits 4, as pytest did
+], ids=["green", "lifecycle", "other failure", "report only", "usage error"])
 def test_the_readmes_ci_gate_reads_the_report_whatever_pytest_returned(tmp_path, pytest_exit, lifecycle_failures,
                                                                         job_fails, words):
     """The gate's report check runs also where pytest failed (under ``set -e`` it never ran)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     fake = bin_dir / "python3"  # `python3 -m pytest` stands for the session: writes the report, exits as told
+    report = "" if lifecycle_failures is None else \
+        f"echo '{{\"totals\": {{\"lifecycle_failures\": {lifecycle_failures}}}}}' > reports/cudagraph.json"
     fake.write_text(f"""#!/bin/sh
 if [ "$1 $2" = "-m pytest" ]; then
-  echo '{{"totals": {{"lifecycle_failures": {lifecycle_failures}}}}}' > reports/cudagraph.json
+  {report}
   exit {pytest_exit}
 fi
 exec {shlex.quote(sys.executable)} "$@"
@@ -771,5 +774,6 @@ exec {shlex.quote(sys.executable)} "$@"
     p = subprocess.run(["bash", "-e", "-c", _gate_script()], cwd=tmp_path, env=env, capture_output=True, text=True,
                        timeout=60)
     assert (p.returncode != 0) == job_fails, p.stdout + p.stderr
+    assert p.returncode in (0, pytest_exit or 1), p.returncode  # pytest's own code where it failed
     if words:
         assert words in p.stderr, p.stderr

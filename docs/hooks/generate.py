@@ -4,6 +4,8 @@
   the plugin builds its command-line flags, variables and ini keys from);
 - ``<!-- generated: schema DEF -->``: the fields of ``$defs.DEF`` of ``pytest_cudagraph/report.schema.json``
   (``schema report`` for the report's top level), with their types and descriptions;
+- ``<!-- repository only -->`` ... ``<!-- /repository only -->``: a note for readers of the Markdown file in the
+  repository (where the markers render as nothing), left out of the site;
 - ``CHANGELOG.md`` of the repository's root is added to the site as ``changelog.md``.
 
 A marker this hook does not know fails the build, as does an option kind or a schema type it cannot render.
@@ -22,6 +24,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMA = ROOT / "pytest_cudagraph" / "report.schema.json"
 MARKER = re.compile(r"^<!-- generated: (\w+)(?: (\w+))? -->$", re.M)
+REPOSITORY_ONLY = re.compile(r"^<!-- repository only -->\n.*?^<!-- /repository only -->\n", re.M | re.S)
 
 # what a value of each option kind is, in the words of the option's error messages
 KINDS = {
@@ -120,7 +123,7 @@ def render(markdown: str, where: str = "a page") -> str:
         raise ValueError(f"{where}: unknown marker {m.group(0)!r}: use <!-- generated: options --> or "
                          "<!-- generated: schema DEF -->")
 
-    return MARKER.sub(one, markdown)
+    return MARKER.sub(one, REPOSITORY_ONLY.sub("", markdown))
 
 
 # --- MkDocs events ---

@@ -151,7 +151,12 @@ def max_abs_err(a: Any, b: Any) -> float:
     fa = [t for t in la if isinstance(t, torch.Tensor)]
     fb = [t for t in lb if isinstance(t, torch.Tensor)]
     if len(fa) != len(fb):
-        raise ConfigError(f"replay returned {len(fa)} tensor(s), eager(x) {len(fb)}: they must return the same")
+        def kinds(leaves_: list) -> str:
+            return ", ".join(sorted({type(x).__qualname__ for x in leaves_})) or "nothing"
+
+        raise ConfigError(f"run(x) returned {len(fa)} tensor(s) ({kinds(la)}), eager(x) {len(fb)} ({kinds(lb)}): "
+                          "they must return the same tensors, in the same structure (a tensor, or tuples, lists, "
+                          "dicts, named tuples or dataclasses of them)")
     opaque = next((x for x in la + lb if not isinstance(x, (torch.Tensor, *_PLAIN))), None)
     if not fa and opaque is not None:  # nothing would be compared: say so rather than report a match
         raise ConfigError(f"run(x) and eager(x) returned no tensor the replay-versus-eager comparison can reach "
