@@ -13,6 +13,7 @@ import os
 import re
 import sys
 import tempfile
+import warnings
 
 import pytest
 
@@ -127,7 +128,10 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(problem)
     s = settings.resolve(config)
     config.stash[SETTINGS_KEY] = s
-    for line in settings.unknown_variables(os.environ):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # pytest 9 calls config.inicfg deprecated (its keys are still what we need)
+        ini_keys = list(getattr(config, "inicfg", None) or ())
+    for line in settings.unknown_variables(os.environ) + settings.unknown_ini_keys(ini_keys, settings.ini_file(config)):
         config.issue_config_time_warning(pytest.PytestConfigWarning(line), stacklevel=2)
     config.stash[STATE_KEY] = reporting.new_state()
     config.stash[STATE_KEY]["rootdir"] = str(config.rootpath)  # the report's paths are absolute: a gate strips it

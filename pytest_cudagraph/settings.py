@@ -280,6 +280,23 @@ def unknown_variables(environ: Any) -> list[str]:
     return out
 
 
+def unknown_ini_keys(keys: Any, ini: IniFile) -> list[str]:
+    """A line for each ``cudagraph*`` ini key that no option reads (pytest says only that it is unknown), with
+    the nearest key that is read and the option it sets."""
+    import difflib
+
+    meaning = {o.ini: f"--cudagraph-{o.name}" for o in OPTIONS}
+    suffixes = {k[len("cudagraph_"):]: k for k in meaning}  # compared without the prefix all of them share
+    out = []
+    for key in sorted(k for k in keys if k.startswith("cudagraph") and k not in meaning):
+        near = [suffixes[n] for n in difflib.get_close_matches(key[len("cudagraph_"):], list(suffixes), n=2,
+                                                                cutoff=0.6)]
+        named = " or ".join(f"{n} ({meaning[n]})" for n in near)
+        out.append(f"ini key {key} in the {ini.section} section of {ini.name} is not one pytest-cudagraph reads"
+                   + (f": did you mean {named}?" if near else f" (the keys it reads: {', '.join(sorted(meaning))})"))
+    return out
+
+
 def resolve(config: pytest.Config) -> dict[str, Any]:
     """Each setting's value, and in ``sources`` where it came from (cli, env, ini or default)."""
     ini = ini_file(config)

@@ -708,6 +708,23 @@ def test_a_misspelled_variable_is_warned_with_the_name_that_is_read(pytester, mo
                               "CUDAGRAPH_WORKER_KIND (--cudagraph-worker)?*"], consecutive=False)
 
 
+@pytest.mark.parametrize("ini_name, text, where", [
+    ("pytest.ini", "[pytest]\ncudagraph_sanitise = strict\ncudagraph_wroker = mpi\n", "[pytest] section of pytest.ini"),
+    ("pyproject.toml", '[tool.pytest.ini_options]\ncudagraph_sanitise = "strict"\ncudagraph_wroker = "mpi"\n',
+     "[tool.pytest.ini_options] section of pyproject.toml"),
+])
+def test_a_misspelled_ini_key_is_warned_with_the_key_that_is_read(pytester, ini_name, text, where):
+    (pytester.path / ini_name).write_text(text)
+    pytester.makepyfile(test_a="def test_x(): pass")
+    res = run(pytester, "-W", "always::pytest.PytestConfigWarning")
+    res.assert_outcomes(passed=1)
+    out = res.stdout.str()
+    assert (f"ini key cudagraph_sanitise in the {where} is not one pytest-cudagraph reads: did you mean "
+            "cudagraph_sanitize (--cudagraph-sanitize)?\n") in out, out
+    assert (f"ini key cudagraph_wroker in the {where} is not one pytest-cudagraph reads: did you mean "
+            "cudagraph_worker (--cudagraph-worker)?\n") in out, out
+
+
 def test_strict_with_expandable_teardown_report_is_warned_and_reported_as_applied(pytester):
     """strict always refuses the teardown: a warning names both settings, and the report says what the
     workers do (and what was set)."""
