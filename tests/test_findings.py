@@ -1648,6 +1648,26 @@ def test_a_dataclass_output_is_compared_with_eager_and_copied_by_a_dropping_call
     assert [p["kind"] for p in rec["problems"]] == ["replay_mismatch"], rec
 
 
+class TakesNoBackend:
+    def __init__(self):  # the engine's class handed over as the factory: it is called as factory(backend)
+        raise AssertionError("never built")
+
+
+def raises_type_error(backend):  # a TypeError inside a factory that takes the backend is the engine's own
+    raise TypeError("bad dtype")
+
+
+def test_a_factory_that_cannot_take_the_backend_is_a_usage_error_that_says_how_it_is_called(cudagraph_worker):
+    from pytest_cudagraph import RemoteError
+
+    with pytest.raises(RemoteError, match=r"^ConfigError: the engine factory TakesNoBackend cannot be called as "
+                                          r"factory\(backend\) "
+                                          r"\(too many positional arguments\): give it one parameter for the backend"):
+        cudagraph_worker.call(_cycles_of, TakesNoBackend, 1, "drop")
+    (rec,) = cudagraph_worker.call(_cycles_of, raises_type_error, 1, "drop")
+    assert rec["verdict"] == "error" and "bad dtype" in rec["problems"][0]["message"], rec
+
+
 def test_an_output_the_comparison_cannot_see_into_is_a_usage_error():
     from cudagraph_lifecycle.cycle.steps import max_abs_err
     from cudagraph_lifecycle.errors import ConfigError

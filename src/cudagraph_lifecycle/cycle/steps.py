@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import gc
+import inspect
 import numbers
 import os
 import time
@@ -60,6 +61,15 @@ def settle(be: Backend) -> None:
 def build(factory: Callable[[Backend], Any], be: Backend) -> Engine:
     if not callable(factory):
         raise ConfigError(f"the engine factory must be callable(backend) -> engine, got {factory!r}")
+    try:
+        inspect.signature(factory).bind(be)
+    except TypeError as e:  # told apart from a TypeError inside the factory: it is called as factory(backend)
+        name = getattr(factory, "__qualname__", repr(factory))
+        raise ConfigError(f"the engine factory {name} cannot be called as factory(backend) ({e}): give it one "
+                          "parameter for the backend (e.g. `def make(backend): return MyEngine()`), or wrap it: "
+                          "`lambda backend: MyEngine()`") from None
+    except ValueError:  # no signature to read (a builtin): the call itself says what is wrong
+        pass
     return Engine(factory(be))
 
 
