@@ -204,9 +204,21 @@ class EngineSequence:
             self._finish()
             if check:  # (held outputs are judged a cycle late: several may have failed by now)
                 _check_all(self.records[start:])
+            self._warn_if_nothing_captured(factory, self.records[start:])
         finally:
             self._publish()
         return self.records[start:]
+
+    def _warn_if_nothing_captured(self, factory: Any, records: list[dict]) -> None:
+        """A cycle that captured no graph is fresh by default: its verdict then says nothing about graph pools,
+        and a test meant to check an engine's graphs passes having checked none."""
+        empty = sorted({r["index"] for r in records if r.get("verdict") == "fresh" and not r.get("graphs")})
+        if empty:
+            name = getattr(factory, "__qualname__", type(factory).__qualname__)
+            self._request.node.warn(pytest.PytestWarning(
+                f"engine_sequence({name}): engine{'s' * (len(empty) > 1)} {', '.join(map(str, empty))} captured "
+                "no CUDA graph, so its fresh verdict says nothing about graph pools: check that capture() or "
+                "run(x) captures (the marker cudagraph(require_replay=True) fails such a cycle)"))
 
     def _finish(self) -> None:
         try:

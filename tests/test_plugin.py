@@ -694,6 +694,31 @@ def test_the_report_keeps_a_failed_call_whose_teardown_errors_too(pytester):
     assert t["outcome"] == "failed" and t["failed_phases"] == ["call", "teardown"], t
 
 
+def test_an_engine_that_captures_no_graph_is_warned_as_checking_nothing(pytester):
+    """run(x) and release() alone make a valid engine that captures nothing: fresh, and said to check nothing."""
+    pytester.makepyfile(test_a='''
+        import torch
+        from engines_mod import good
+
+        class Eager:
+            def run(self, x): return x * 2
+            def release(self): pass
+            def example_input(self): return torch.ones(3)
+
+        def make_eager(backend): return Eager()
+
+        def test_eager(engine_sequence):
+            assert [r["verdict"] for r in engine_sequence(make_eager, 2)] == ["fresh", "fresh"]
+
+        def test_graphed(engine_sequence):
+            engine_sequence(good, 2)
+    ''')
+    res = run(pytester, "-W", "always::pytest.PytestWarning")
+    res.assert_outcomes(passed=2, warnings=1)
+    res.stdout.fnmatch_lines(["*test_eager*", "*engine_sequence(make_eager): engines 0, 1 captured no CUDA graph, so "
+                              "its fresh verdict says nothing about graph pools*"])
+
+
 def test_a_misspelled_variable_is_warned_with_the_name_that_is_read(pytester, monkeypatch):
     monkeypatch.setenv("CUDAGRAPH_SANITISE", "1")
     monkeypatch.setenv("CUDAGRAPH_WORKER", "mpi")
