@@ -131,7 +131,8 @@ def pytest_configure(config: pytest.Config) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # pytest 9 calls config.inicfg deprecated (its keys are still what we need)
         ini_keys = list(getattr(config, "inicfg", None) or ())
-    for line in settings.unknown_variables(os.environ) + settings.unknown_ini_keys(ini_keys, settings.ini_file(config)):
+    unread = settings.unknown_variables(os.environ) + settings.unknown_ini_keys(ini_keys, settings.ini_file(config))
+    for line in unread:
         config.issue_config_time_warning(pytest.PytestConfigWarning(line), stacklevel=2)
     config.stash[STATE_KEY] = reporting.new_state()
     config.stash[STATE_KEY]["rootdir"] = str(config.rootpath)  # the report's paths are absolute: a gate strips it

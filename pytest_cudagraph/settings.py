@@ -258,43 +258,38 @@ INTERNAL_VARIABLES = ("CUDAGRAPH_HAZARD_FILE", "CUDAGRAPH_IN_WORKER", "CUDAGRAPH
                       "CUDAGRAPH_CONFORMANCE_BACKEND")  # (the last: this project's conformance tests')
 
 
+def _near_names(name: str, meaning: dict[str, str], prefix: str, what: str) -> str:
+    """What follows a name that nothing reads: the nearest names that are read, each with what it sets
+    (compared without the prefix all of them share), or every name that is read."""
+    import difflib
+
+    suffixes = {k[len(prefix):]: k for k in meaning}
+    near = [suffixes[n] for n in difflib.get_close_matches(name[len(prefix):], list(suffixes), n=2, cutoff=0.6)]
+    if near:
+        return ": did you mean " + " or ".join(f"{n} ({meaning[n]})" for n in near) + "?"
+    return f" (the {what} it reads: {', '.join(sorted(meaning))})"
+
+
 def unknown_variables(environ: Any) -> list[str]:
     """A line for each ``CUDAGRAPH_*`` variable set that nothing reads (a misspelling: ``CUDAGRAPH_SANITISE``,
     ``CUDAGRAPH_WORKER``), with the nearest name that is read."""
-    import difflib
-
     # what each name sets, so that a near miss is told apart from its neighbour: CUDAGRAPH_SANITIZE (the
     # program-wide sanitizer) is not CUDAGRAPH_SANITIZE_MODE (the plugin's --cudagraph-sanitize)
     meaning = {o.env: f"--cudagraph-{o.name}" for o in OPTIONS}
     meaning.update(LIBRARY_VARIABLES)
-    out = []
-    for name in sorted(k for k in environ if k.startswith("CUDAGRAPH_")):
-        if name in meaning or name in INTERNAL_VARIABLES:
-            continue
-        suffixes = {k[len("CUDAGRAPH_"):]: k for k in meaning}  # compared without the prefix all of them share
-        near = difflib.get_close_matches(name[len("CUDAGRAPH_"):], list(suffixes), n=2, cutoff=0.6)
-        named = " or ".join(f"{suffixes[n]} ({meaning[suffixes[n]]})" for n in near)
-        out.append(f"{name} is set but nothing of pytest-cudagraph reads it"
-                   + (f": did you mean {named}?" if near else
-                      f" (the variables it reads: {', '.join(sorted(meaning))})"))
-    return out
+    return [f"{name} is set but nothing of pytest-cudagraph reads it"
+            + _near_names(name, meaning, "CUDAGRAPH_", "variables")
+            for name in sorted(k for k in environ if k.startswith("CUDAGRAPH_"))
+            if name not in meaning and name not in INTERNAL_VARIABLES]
 
 
 def unknown_ini_keys(keys: Any, ini: IniFile) -> list[str]:
     """A line for each ``cudagraph*`` ini key that no option reads (pytest says only that it is unknown), with
     the nearest key that is read and the option it sets."""
-    import difflib
-
     meaning = {o.ini: f"--cudagraph-{o.name}" for o in OPTIONS}
-    suffixes = {k[len("cudagraph_"):]: k for k in meaning}  # compared without the prefix all of them share
-    out = []
-    for key in sorted(k for k in keys if k.startswith("cudagraph") and k not in meaning):
-        near = [suffixes[n] for n in difflib.get_close_matches(key[len("cudagraph_"):], list(suffixes), n=2,
-                                                                cutoff=0.6)]
-        named = " or ".join(f"{n} ({meaning[n]})" for n in near)
-        out.append(f"ini key {key} in the {ini.section} section of {ini.name} is not one pytest-cudagraph reads"
-                   + (f": did you mean {named}?" if near else f" (the keys it reads: {', '.join(sorted(meaning))})"))
-    return out
+    return [f"ini key {key} in the {ini.section} section of {ini.name} is not one pytest-cudagraph reads"
+            + _near_names(key, meaning, "cudagraph_", "keys")
+            for key in sorted(k for k in keys if k.startswith("cudagraph") and k not in meaning)]
 
 
 def resolve(config: pytest.Config) -> dict[str, Any]:
