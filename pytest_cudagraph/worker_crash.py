@@ -60,20 +60,36 @@ def cause_lines(text: str, limit: int = 8) -> list[str]:
 _DUMPED_FRAME = re.compile(r'^\s+File "(.+)", line \d+ in ')  # a frame as faulthandler dumps it
 
 
-def _without_pytest_frames(text: str) -> str:
-    """A faulthandler dump without pytest's and pluggy's frames (a forked worker's stack holds the pytest
-    session it was forked from, below the call): the user's frames and ours (where a rank runs the call)
-    stay, and a count of the rest."""
+def _without_outer_frames(text: str) -> str:
+    """A faulthandler dump without the frames below the call: in a thread that runs the worker's loop,
+    every frame outside it (multiprocessing's start and, in a forked worker, the pytest session it was
+    forked from, as far as the test's ``worker.call``); elsewhere (an MPI rank runs the call inside its own
+    pytest) pytest's and pluggy's frames. The user's frames and ours stay, with a count of the rest."""
     dirs = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
                  for m in (sys.modules.get(n) for n in ("_pytest", "pytest", "pluggy")) if getattr(m, "__file__", None))
-    kept, dropped = [], 0
+    kept, below_loop, of_pytest = [], 0, 0
+    in_loop_thread = False  # past the loop's frame in this thread's dump (most recent call first)
     for line in text.splitlines(keepends=True):
         m = _DUMPED_FRAME.match(line)
-        if dirs and m and os.path.abspath(m.group(1)).startswith(dirs):
-            dropped += 1
+        if m is not None and in_loop_thread:
+            below_loop += 1
+            continue
+        if below_loop:  # the thread's frames ended: the count stands where they were
+            kept.append(f"  ({below_loop} frames below the worker's loop left out)\n")
+            below_loop = 0
+        in_loop_thread = m is not None and _is_loop_frame(line)
+        if m is not None and dirs and os.path.abspath(m.group(1)).startswith(dirs):
+            of_pytest += 1
             continue
         kept.append(line)
-    return "".join(kept) + (f"  ({dropped} frames of pytest left out)\n" if dropped else "")
+    if below_loop:
+        kept.append(f"  ({below_loop} frames below the worker's loop left out)\n")
+    return "".join(kept) + (f"  ({of_pytest} frames of pytest left out)\n" if of_pytest else "")
+
+
+def _is_loop_frame(line: str) -> bool:
+    # the worker's loop: every frame below it was there before the worker ran its first call
+    return line.rstrip().endswith(" in _child_main") and "worker_child.py" in line
 
 
 _FRAME = re.compile(r'^\s*File "(?P<file>.*)", line (?P<line>\d+) in (?P<func>.*)$')
@@ -111,6 +127,8 @@ def _dumped_frames(lines: list[str], start: int, limit: int) -> list[str]:
         if m is None or len(frames) == limit:
             break
         frames.append(f"  {m['file']}:{m['line']} in {m['func']}")
+        if _is_loop_frame(ln):
+            break  # the frames below are the stack the worker was started from
     return frames
 
 
@@ -172,7 +190,7 @@ def crash_report(proc, name: str, stderr_path: str | None, during: str) -> Worke
     causes = [ln for ln in cause_lines(read_stderr(stderr_path)) if ln not in tail]
     if causes:
         msg += "\n--- cause lines from the worker's stderr ---\n" + "\n".join(causes)
-    shown = _without_pytest_frames(tail)  # a forked worker's dump holds the session it was forked from
+    shown = tail_of(_without_outer_frames(read_stderr(stderr_path)))  # (a forked worker's dump holds its parent's stack)
     if shown.strip():
         msg += f"\n--- last lines of the worker's stderr ---\n{shown.rstrip()}"
     err = WorkerCrashed(msg, code, tail, hazards)
@@ -190,7 +208,7 @@ def timeout_report(proc, name: str, stderr_path: str | None, during: str, limit:
         time.sleep(0.5)
     except ProcessLookupError:
         pass
-    tail = _without_pytest_frames(tail_of(read_stderr(stderr_path), 60))
+    tail = tail_of(_without_outer_frames(read_stderr(stderr_path)), 60)
     frames = [f.strip() for f in hang_frames(read_stderr(stderr_path))]
     err = WorkerTimeout(
         f"worker {name} (pid {proc.pid}) ran past the timeout of {limit:g}s"
