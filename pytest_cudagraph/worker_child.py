@@ -87,7 +87,7 @@ def _child_main(conn, stderr_path: str, sys_path: list[str], env: dict[str, str]
                 attribute_to(test)
             if not _heap_frozen:
                 freeze_startup_heap()
-            value = fn(*args, **kwargs)
+            value = _run_call(fn, args, kwargs)
             try:
                 reply = dumps(("ok", poisoned_since(seq), value))
             except Exception as e:
@@ -100,6 +100,11 @@ def _child_main(conn, stderr_path: str, sys_path: list[str], env: dict[str, str]
             reply = dumps(("err", poisoned_since(seq), type(e).__qualname__, str(e), shown_traceback(e)))
             del e
         _send_message(reader.fd, reply)
+
+
+def _run_call(fn, args, kwargs):
+    # A frame of its own: a hung worker's stack then shows whether the call had begun (worker_crash reads it).
+    return fn(*args, **kwargs)
 
 
 def _drop_inherited_log_capture() -> None:

@@ -64,10 +64,11 @@ def _without_outer_frames(text: str) -> str:
     """A faulthandler dump without the frames below the call: in a thread that runs the worker's loop,
     every frame outside it (multiprocessing's start and, in a forked worker, the pytest session it was
     forked from, as far as the test's ``worker.call``); elsewhere (an MPI rank runs the call inside its own
-    pytest) pytest's and pluggy's frames. The user's frames and ours stay, with a count of the rest."""
+    pytest) pytest's and pluggy's frames; and the import system's. The user's frames and ours stay, with a
+    count of the rest."""
     dirs = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
                  for m in (sys.modules.get(n) for n in ("_pytest", "pytest", "pluggy")) if getattr(m, "__file__", None))
-    kept, below_loop, of_pytest = [], 0, 0
+    kept, below_loop, of_pytest, of_imports = [], 0, 0, 0
     in_loop_thread = False  # past the loop's frame in this thread's dump (most recent call first)
     for line in text.splitlines(keepends=True):
         m = _DUMPED_FRAME.match(line)
@@ -78,13 +79,33 @@ def _without_outer_frames(text: str) -> str:
             kept.append(f"  ({below_loop} frames below the worker's loop left out)\n")
             below_loop = 0
         in_loop_thread = m is not None and _is_loop_frame(line)
+        if m is not None and m.group(1).startswith("<frozen importlib"):
+            of_imports += 1  # the module being imported is the frame above them
+            continue
         if m is not None and dirs and os.path.abspath(m.group(1)).startswith(dirs):
             of_pytest += 1
             continue
         kept.append(line)
     if below_loop:
         kept.append(f"  ({below_loop} frames below the worker's loop left out)\n")
-    return "".join(kept) + (f"  ({of_pytest} frames of pytest left out)\n" if of_pytest else "")
+    return ("".join(kept) + (f"  ({of_imports} frames of Python's import system left out)\n" if of_imports else "")
+            + (f"  ({of_pytest} frames of pytest left out)\n" if of_pytest else ""))
+
+
+def call_began(stderr: str) -> bool | None:
+    """Whether the last stack dump in a worker's ``stderr`` shows its call running (its loop's call frame
+    on the dumping thread's stack): False while the worker was still starting or loading the call (its
+    imports), None where no dump of the loop's thread tells (an MPI rank, a dump that did not come)."""
+    lines = stderr.splitlines()
+    heads = [i for i, ln in enumerate(lines) if ln.startswith(("Current thread", "Stack ("))]
+    for ln in lines[heads[-1] + 1:] if heads else []:
+        if _DUMPED_FRAME.match(ln) is None:
+            break
+        if ln.rstrip().endswith(" in _run_call") and "worker_child.py" in ln:
+            return True
+        if _is_loop_frame(ln):
+            return False
+    return None
 
 
 def _is_loop_frame(line: str) -> bool:
@@ -208,8 +229,12 @@ def timeout_report(proc, name: str, stderr_path: str | None, during: str, limit:
         time.sleep(0.5)
     except ProcessLookupError:
         pass
-    tail = tail_of(_without_outer_frames(read_stderr(stderr_path)), 60)
-    frames = [f.strip() for f in hang_frames(read_stderr(stderr_path))]
+    stderr = read_stderr(stderr_path)
+    tail = tail_of(_without_outer_frames(stderr), 60)
+    frames = [f.strip() for f in hang_frames(stderr)]
+    if call_began(stderr) is False:
+        during = (f"the worker's start, before {during} began (what a call imports and the worker's own "
+                  "set-up count toward its time)")
     err = WorkerTimeout(
         f"worker {name} (pid {proc.pid}) ran past the timeout of {limit:g}s"
         + (f" ({source})" if source else "")

@@ -74,6 +74,22 @@ def nap(seconds: float) -> None:
     time.sleep(seconds)
 
 
+def _loaded_slowly() -> SlowToLoad:
+    if os.environ.get("CUDAGRAPH_IN_WORKER"):
+        time.sleep(30)
+    return SlowToLoad()
+
+
+class SlowToLoad:
+    """A callable that takes 30 s to unpickle in a worker, as one whose module is slow to import does."""
+
+    def __reduce__(self):
+        return _loaded_slowly, ()
+
+    def __call__(self) -> None:
+        return None
+
+
 def gone(pid: int, within: float = 5.0) -> bool:
     """The process is gone or a zombie (an orphan's zombie may wait for a reaper that never comes)."""
     deadline = time.monotonic() + within
@@ -139,8 +155,12 @@ ROWS = [
     Row("os-abort", "the callable calls os.abort()", lambda w: w.call(os.abort),
         WorkerCrashed, ("killed by signal SIGABRT", "Fatal Python error: Aborted"), replaced=True),
     Row("hang-past-timeout", "the callable sleeps 30 s under a 1 s timeout", lambda w: w.call(nap, 30),
-        WorkerTimeout, ("past the timeout of 1s", "in nap", "frames below the worker's loop left out"), replaced=True,
-        timeout=1, frame=" in nap"),
+        WorkerTimeout, ("past the timeout of 1s", "in call 3 (nap);", "in nap", "frames below the worker's loop left out"),
+        replaced=True, timeout=1, frame=" in nap"),
+    Row("hang-loading-the-call", "the callable takes 30 s to unpickle in the worker, under a 1 s timeout",
+        lambda w: w.call(SlowToLoad()),
+        WorkerTimeout, ("past the timeout of 1s", "in the worker's start, before call 3 (SlowToLoad) began"),
+        replaced=True, timeout=1, frame=" in _loaded_slowly"),
     Row("ctrl-c-mid-call", "Ctrl-C (SIGINT) reaches pytest during a call", ctrl_c_mid_call,
         KeyboardInterrupt, (), replaced=True),
     Row("memory-error", "the callable raises MemoryError", lambda w: w.call(out_of_memory),
