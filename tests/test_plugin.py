@@ -179,7 +179,8 @@ def test_timeout(pytester):
     ''')
     res = run(pytester, "--cudagraph-timeout=1")
     res.assert_outcomes(failed=1)
-    res.stdout.fnmatch_lines(["*WorkerTimeout*past the timeout of 1s (--cudagraph-timeout=1) in call*"])
+    # (on a loaded machine the second may run out while the worker still imports: the report then says so)
+    res.stdout.fnmatch_lines(["*WorkerTimeout*past the timeout of 1s (--cudagraph-timeout=1) in *call 1 (sleep)*"])
 
 
 def test_leaky_engine_is_leaked_when_the_caller_copies(pytester):
