@@ -1,11 +1,16 @@
 """Render a GPU check's results folder (scripts/gpu_check.sh) as markdown: conformance cuda vs sim side by
 side, benchmark figures against their targets, and the examples' lifecycle runs.
 
-    python scripts/render_gpu_results.py docs/gpu-results/latest > docs/gpu-results/RESULTS.md
+    python scripts/render_gpu_results.py docs/gpu-results/latest [earlier ...] > docs/gpu-results/RESULTS.md
+
+An earlier folder is rendered after the latest, for the steps the latest did not run: each result file
+appears once, from the newest folder that has it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -14,9 +19,12 @@ import sys
 from cudagraph_lifecycle.conformance import run_table
 
 
+SHADOWED: set[str] = set()  # result files a newer folder already rendered
+
+
 def load(folder: str, name: str):
     path = os.path.join(folder, name)
-    return json.load(open(path)) if os.path.exists(path) else None
+    return json.load(open(path)) if os.path.exists(path) and name not in SHADOWED else None
 
 
 def gpu_name(summary: str) -> str:
@@ -25,14 +33,31 @@ def gpu_name(summary: str) -> str:
     return m.group(1) if m else "GPU"
 
 
-def main(folder: str) -> None:
-    summary = open(os.path.join(folder, "summary.md")).read().strip()
+def main(folders: list[str]) -> None:
+    names = [os.path.basename(os.path.normpath(f)) for f in folders]
     print("# GPU results\n")
     print(f"Every figure about GPU behaviour in these docs comes from this page: the latest run of "
           f"`scripts/gpu_check.sh` (through the device tool; the summary lists its calls), its summary and JSON files in "
-          f"`docs/gpu-results/{os.path.basename(os.path.normpath(folder))}/`. Earlier runs are in the git history "
-          f"of that folder. Rendered with `python scripts/render_gpu_results.py <folder>`.\n")
-    print(summary.replace("# GPU check", "## The run", 1))
+          f"`docs/gpu-results/{names[0]}/`"
+          + (f"; for the steps it did not run, the latest run that did ({', '.join(f'`{n}/`' for n in names[1:])}, "
+             f"shown after it)" if names[1:] else "")
+          + ". Earlier runs are in the git history of that folder. Rendered with "
+          f"`python scripts/render_gpu_results.py {' '.join(names)}`.\n")
+    for i, folder in enumerate(folders):
+        if i == 0:
+            render(folder, "## The run")
+        else:
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                render(folder, f"## {names[i]}: the steps {names[0]} did not run")
+            # one heading level down, under the later run's page
+            print("\n" + re.sub(r"^## (?!" + re.escape(names[i]) + ")", "### ", out.getvalue(), flags=re.M), end="")
+        SHADOWED.update(n for n in os.listdir(folder) if n.endswith(".json"))
+
+
+def render(folder: str, title: str) -> None:
+    summary = open(os.path.join(folder, "summary.md")).read().strip()
+    print(summary.replace("# GPU check", title, 1))
     conf = load(folder, "conformance-cuda.json")
     if conf:
         sim = {r["scenario"]: r["outcome"] for r in run_table("sim")}
@@ -45,10 +70,13 @@ def main(folder: str) -> None:
             s = sim[r["scenario"]]
             print(f"| {r['scenario']} | {r['outcome']} | {s} | {'yes' if s == r['outcome'] else '**NO**'} |")
     br = load(folder, "bench-runner.json")
-    if br:
-        st, mem, rel, san = br.get("step"), br.get("memory") or {}, br.get("release"), br.get("sanitizer")
+    benches = ("bench-runner.json", "bench-wrapper-cost.json", "bench-worker.json", "bench-mpi.json", "bench-soak.json",
+               "bench-sanitizer-memory.json", "bench-plugin-import.json", "probe-capture-path.json")
+    if any(load(folder, name) for name in benches):
         print("\n## Benchmarks (one run, side by side)\n")
         print("| figure | measured | target |\n|---|---|---|")
+    if br:
+        st, mem, rel, san = br.get("step"), br.get("memory") or {}, br.get("release"), br.get("sanitizer")
         if st:
             print(f"| runner step / raw copy-in + replay (launch-bound, batch 1, fp16) | {st['runner_over_raw']:.3f} "
                   f"({st['runner_us']:.1f} vs {st['raw_copy_replay_us']:.1f} µs; eager {st['eager_us']:.1f} µs) | ≤ 1.05 |")
@@ -304,4 +332,4 @@ def print_before_after(folder: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1:])
