@@ -92,20 +92,13 @@ def _without_outer_frames(text: str) -> str:
             + (f"  ({of_pytest} frames of pytest left out)\n" if of_pytest else ""))
 
 
-def call_began(stderr: str) -> bool | None:
-    """Whether the last stack dump in a worker's ``stderr`` shows its call running (its loop's call frame
-    on the dumping thread's stack): False while the worker was still starting or loading the call (its
-    imports), None where no dump of the loop's thread tells (an MPI rank, a dump that did not come)."""
-    lines = stderr.splitlines()
-    heads = [i for i, ln in enumerate(lines) if ln.startswith(("Current thread", "Stack ("))]
-    for ln in lines[heads[-1] + 1:] if heads else []:
-        if _DUMPED_FRAME.match(ln) is None:
-            break
-        if ln.rstrip().endswith(" in _run_call") and "worker_child.py" in ln:
-            return True
-        if _is_loop_frame(ln):
-            return False
-    return None
+def call_began(frames: list[str]) -> bool | None:
+    """Whether a hung worker's stack (:func:`hang_frames`, down to its loop) shows its call running (the loop's
+    call frame): False while the worker was still starting or loading the call (its imports), None where the
+    loop's frame is not in it (an MPI rank, a dump that did not come)."""
+    if not frames or not _is_loop_frame(frames[-1]):
+        return None
+    return any(f.rstrip().endswith(" in _run_call") and "worker_child.py" in f for f in frames)
 
 
 def _is_loop_frame(line: str) -> bool:
@@ -231,8 +224,9 @@ def timeout_report(proc, name: str, stderr_path: str | None, during: str, limit:
         pass
     stderr = read_stderr(stderr_path)
     tail = tail_of(_without_outer_frames(stderr), 60)
-    frames = [f.strip() for f in hang_frames(stderr)]
-    if call_began(stderr) is False:
+    stack = [f.strip() for f in hang_frames(stderr, limit=1000)]  # (faulthandler prints at most 100)
+    frames = stack[:10]
+    if call_began(stack) is False:
         during = (f"the worker's start, before {during} began (what a call imports and the worker's own "
                   "set-up count toward its time)")
     err = WorkerTimeout(
