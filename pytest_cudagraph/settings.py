@@ -59,7 +59,8 @@ OPTIONS = [
            "strict always refuses)", choices=EXPANDABLE_TEARDOWN),
     Option("max-growth", "CUDAGRAPH_MAX_GROWTH", "cudagraph_max_growth", None,
            "fail an engine whose default-pool growth (weights, workspaces, caches it leaves behind) exceeds "
-           "this many bytes (suffixes KiB, MiB, GiB; default: growth is reported, never a failure)", kind="bytes"),
+           "this many bytes (KiB, MiB, GiB are powers of 2, KB, MB, GB powers of 10; default: growth is "
+           "reported, never a failure)", kind="bytes"),
     Option("worker", "CUDAGRAPH_WORKER_KIND", "cudagraph_worker", "fork",
            "what holds engine sequences: fork (reused worker processes; spawn where CUDA is initialized) or "
            "mpi (reused mpi4py.futures MPIPoolExecutor ranks)", choices=("fork", "mpi")),
