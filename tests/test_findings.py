@@ -1519,6 +1519,18 @@ def test_a_capture_a_host_sync_broke_whose_error_the_engine_caught_is_an_error(c
         and " in forward: RuntimeError: " in text, text
 
 
+def test_a_caught_stale_capture_under_the_sanitizer_is_two_findings_on_sim(cudagraph_worker):
+    """The GPU test's case on sim (the same expectation on both backends): the second engine's capture into
+    the kept pool is refused and is a stale_capture finding; the first engine's output still pins that pool,
+    a pinned_pool finding. Both name the engine's capture line."""
+    from gpu_cases import naive_engine_that_catches
+
+    r = cudagraph_worker.call(naive_engine_that_catches, True, "sim")
+    assert r["first"] == "held" and r["second"] == "stale" and not r["poisoned"] and r["refused"], r
+    assert [k for k, _ in r["findings"]] == ["stale_capture", "pinned_pool"], r["findings"]
+    assert all("engines.py" in sites[0] for _, sites in r["findings"]), r["findings"]
+
+
 class OwnPoolEngine(KeptHandleEngine):
     """A pool of its own per engine (what the engines below do wrong is elsewhere)."""
 

@@ -53,9 +53,10 @@ def test_a_stale_capture_the_engine_caught_is_still_stale(cudagraph_worker, sani
     assert r["refused"] is sanitized, r["errors"]
     # what pinned the pool is read as the capture came, before the allocator ran it: named in every mode
     assert "the pool was pinned: " in r["message"] and "the previous engine's output" in r["message"], r
-    if sanitized:  # the refusal names it too, and the attempt is a finding with its line
+    if sanitized:  # the refusal names it too; the attempt and the pin are findings with their lines
         assert "held as the previous engine's output, which the caller holds" in r["errors"][0], r["errors"]
-        assert [k for k, _ in r["findings"]] == ["stale_capture"] and "engines.py" in r["findings"][0][1][0], r
+        assert [k for k, _ in r["findings"]] == ["stale_capture", "pinned_pool"], r["findings"]
+        assert all("engines.py" in sites[0] for _, sites in r["findings"]), r["findings"]
     else:
         assert "use_count > 0" in r["errors"][0], r["errors"]
 
