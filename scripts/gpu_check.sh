@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# The whole GPU check in one call (device tool): conformance on cuda, GPU tests, the peer-style engine
-# matrix, the soak, the examples' lifecycle suite on both worker paths (fork and spawn), with -n 2 and on MPI
-# ranks, the benchmarks (runner, with the sanitizer's capture path compiled and in Python side by side; wrapper
-# cost, sanitizer memory, worker, MPI; plugin import beside them).
+# The whole GPU check in one call (device tool), in two phases: first the correctness steps at once
+# (conformance on cuda, GPU tests, the peer-style engine matrix, the piecewise engines, the soak, the examples'
+# lifecycle suite on both worker paths (fork and spawn), with -n 2 and on MPI ranks; the plugin-import bench
+# and the capture paths' equality on sim beside them), then the benchmarks one at a time (runner, with the
+# sanitizer's capture path compiled and in Python side by side; worker; wrapper cost; sanitizer memory; MPI;
+# the timed probes).
 #   run: bash scripts/gpu_check.sh      (writes to $OUT, or ./gpu-out when OUT is unset; carry .whl/, which holds
 #        jsonschema's wheels for Python 3.12: pip download jsonschema --only-binary=:all: --python-version 3.12
 #        --platform manylinux2014_x86_64 -d .whl)
-# Every step runs under one deadline (GPU_CHECK_SECONDS, default 560) so the results archive is always
+# Every step runs under one deadline (GPU_CHECK_SECONDS, default 570) so the results archive is always
 # written inside the device tool's 10-minute limit; a step that no time is left for is listed as skipped.
 # GPU_CHECK_ONLY (an extended regex) runs only the steps whose names match, for a session short of device
 # time; the others are listed as not selected. GPU_CHECK_BASELINE (a folder holding another tree's src/,
@@ -39,10 +41,12 @@ step() {
   echo "- ${name}: $([ $r = 0 ] && echo ok || echo "FAILED (rc $r)") in $((SECONDS - t0)) s" >> "$R/steps.md"
   [ $r = 0 ] || rc=1
 }
-# beside NAME CMD...: a step that needs no GPU, run in the background beside the GPU steps (the machine has
-# cores to spare; its figure is a ratio of two sides measured in turn, so the load beside it reaches both);
-# its outcome and output join the others at the end. In a full check it runs beside the conformance step
-# (no host timing there); a GPU_CHECK_ONLY selection with a timed bench would put it beside that bench
+# beside NAME CMD...: a step run in the background, at the same time as the steps around it; `join` waits for
+# all of them and adds each one's outcome and output, in the order they began. The check has two phases:
+# first the correctness steps all at once (no figure of theirs is a time, and each judges only its own
+# processes' pools, which other processes on the GPU do not change), with the host-only steps beside them;
+# then the benches one after another on a quiet machine. Run one after another, the steps took about 700 s on
+# an H100 in run 32, more than one call of the device tool allows.
 BESIDE=() BESIDE_PIDS=()
 beside() {
   local name=$1; shift
@@ -53,9 +57,22 @@ beside() {
   if [ "$left" -lt 15 ]; then  # (timeout 0 would mean no limit, and the wait at the end would outlive the call)
     echo "- ${name}: SKIPPED (no time left)" >> "$R/steps.md"; rc=1; return
   fi
-  echo; echo "=== $name (beside the GPU steps, from $(date -u +%H:%M:%S))"
+  echo "=== $name (in the background from $(date -u +%H:%M:%S), ${left}s left)"
   ( t0=$SECONDS; timeout "$left" "$@" > "$R/beside-$n.log" 2>&1; echo "$? $((SECONDS - t0))" > "$R/beside-$n.rc" ) &
   BESIDE+=("$name") BESIDE_PIDS+=($!)
+}
+JOINED=0
+join() {
+  local n r t
+  [ ${#BESIDE_PIDS[@]} = "$JOINED" ] || wait "${BESIDE_PIDS[@]:$JOINED}"  # (a bare wait would also wait for the log's tee)
+  for ((n = JOINED; n < ${#BESIDE[@]}; n++)); do
+    echo; echo "=== ${BESIDE[$n]} (in the background)"; cat "$R/beside-$n.log"
+    read -r r t 2>/dev/null < "$R/beside-$n.rc" || { r=1; t=?; }
+    echo "- ${BESIDE[$n]}: $([ "$r" = 0 ] && echo ok || echo "FAILED (rc $r)") in $t s" >> "$R/steps.md"
+    [ "$r" = 0 ] || rc=1
+    rm -f "$R/beside-$n.log" "$R/beside-$n.rc"
+  done
+  JOINED=${#BESIDE[@]}
 }
 
 echo "=== install"
@@ -87,41 +104,38 @@ print(f"- command: `GPU_CHECK_ONLY={os.environ.get('GPU_CHECK_ONLY', '')!r} GPU_
 PY
 PT="python3 -m pytest -p cudagraph -p no:cacheprovider --cudagraph-require-gpu"
 
-beside "bench plugin import (CUDA build of torch)" python3 bench/bench_plugin_import.py --rounds 10 \
+# phase 1: correctness, all at once; the plugin-import bench beside it is a ratio of paired sessions, so
+# the load reaches both sides
+beside "bench plugin import (CUDA build of torch)" python3 bench/bench_plugin_import.py --rounds 20 \
   --json "$R/bench-plugin-import.json"
-# the C capture path on this machine's Python (3.12 there, 3.11 in CI): both paths equal, no leak
-# (on sim)
+# the C capture path on this machine's Python (3.12 there, 3.11 in CI): both paths equal, no leak (on sim)
 beside "capture paths equal (compiled vs Python, on sim)" python3 -m pytest -p cudagraph -p no:cacheprovider -q \
   tests/test_capture_paths.py tests/test_checks.py
-step "conformance on cuda" python3 -m cudagraph_lifecycle.conformance --backend cuda --jobs 8 \
+beside "conformance on cuda" python3 -m cudagraph_lifecycle.conformance --backend cuda --jobs 8 \
   --json "$R/conformance-cuda.json"
-step "GPU tests" $PT -q -rP tests/test_gpu.py
+beside "GPU tests" $PT -q -rP tests/test_gpu.py
 if [ -f .ptests/test_pytorch_graphs.py ]; then
   # PyTorch's own TestCuda.test_graph* (extracted from pytorch/pytorch test/test_cuda.py, carried, not committed;
   # see docs/gpu-results/RESULTS.md), under a session-wide sanitizer; Stream.is_capturing is newer than torch 2.11
-  step "PyTorch's graph tests under CUDAGRAPH_SANITIZE=1" env CUDAGRAPH_SANITIZE=1 $PT .ptests/test_pytorch_graphs.py \
+  beside "PyTorch's graph tests under CUDAGRAPH_SANITIZE=1" env CUDAGRAPH_SANITIZE=1 $PT .ptests/test_pytorch_graphs.py \
     -q -k "not test_graph_is_current_stream_capturing" --cudagraph-report="$R/pytorch-graph-tests.json"
 fi
-step "peer-style engine matrix (16 styles x hold/drop x sanitizer off/on/strict; plain PyTorch's truth)" \
+beside "peer-style engine matrix (16 styles x hold/drop x sanitizer off/on/strict; plain PyTorch's truth)" \
   $PT tests/test_peer_matrix.py -n 8 --cudagraph-report="$R/peer-matrix.json" -q
-step "piecewise engines (vLLM v1 style: pieces of every batch size in one pool)" \
+beside "piecewise engines (vLLM v1 style: pieces of every batch size in one pool)" \
   $PT tests/test_piecewise_engines.py --cudagraph-backend=cuda -n 4 -q --cudagraph-report="$R/piecewise.json"
-step "soak: 200 engines in one reused worker" python3 bench/bench_soak.py --backend cuda --engines 200 \
+beside "soak: 200 engines in one reused worker" python3 bench/bench_soak.py --backend cuda --engines 200 \
   --json "$R/bench-soak.json"
-step "examples, fork path (pytest process without CUDA)" $PT examples/ --cudagraph-report="$R/examples-fork.json"
+beside "examples, fork path (pytest process without CUDA)" $PT examples/ --cudagraph-report="$R/examples-fork.json"
+beside "examples, spawn path (pytest process initialized CUDA)" env CUDAGRAPH_EXAMPLES_INIT_CUDA=1 \
+  $PT examples/ --cudagraph-report="$R/examples-spawn.json"
+beside "examples, -n 2 on one GPU" $PT examples/ -n 2 -q
+beside "examples on 2 MPI ranks sharing the GPU" $PT examples/test_mpi_lifecycle.py --cudagraph-require-mpi \
+  --cudagraph-report="$R/examples-mpi.json"
+join
+# phase 2: the benches and timed probes, one at a time
 # GPU_CHECK_RUNNER_ONLY: the runner bench's parts (e.g. "--only step --only sanitizer --only flush"), both trees
 step "bench runner" python3 bench/bench_runner.py --backend cuda ${GPU_CHECK_RUNNER_ONLY:-} --json "$R/bench-runner.json"
-step "probe: checked mode's watch, a dispatch mode against a function mode" python3 scripts/probes/watch_modes.py \
-  --json "$R/probe-watch-modes.json"
-step "probe: the one-op figure, pools pinned, heap frozen or live, sanitizer per round or started once" \
-  python3 scripts/probes/pinned_flush.py --json "$R/probe-pinned-flush.json"
-step "bench wrapper cost (each observed call, timed from outside)" python3 bench/bench_wrapper_cost.py --backend cuda \
-  --rounds 25 --segment-rounds 60 --json "$R/bench-wrapper-cost.json"
-step "bench sanitizer memory (10,000 captures a round)" python3 bench/bench_sanitizer_memory.py --backend cuda \
-  --json "$R/bench-sanitizer-memory.json"
-step "examples, spawn path (pytest process initialized CUDA)" env CUDAGRAPH_EXAMPLES_INIT_CUDA=1 \
-  $PT examples/ --cudagraph-report="$R/examples-spawn.json"
-step "examples, -n 2 on one GPU" $PT examples/ -n 2 -q
 step "bench worker" python3 bench/bench_worker.py --backend cuda --engines 3 --json "$R/bench-worker.json"
 if [ -n "${GPU_CHECK_BASELINE:-}" ]; then
   # the same benches on the baseline tree, installed apart and run with that tree's own bench/ scripts
@@ -134,17 +148,15 @@ if [ -n "${GPU_CHECK_BASELINE:-}" ]; then
   step "bench worker, baseline tree" env PYTHONPATH=/tmp/site-base:$GPU_CHECK_BASELINE \
     python3 "$GPU_CHECK_BASELINE/bench/bench_worker.py" --backend cuda --engines 3 --json "$R/bench-worker-baseline.json"
 fi
-step "examples on 2 MPI ranks sharing the GPU" $PT examples/test_mpi_lifecycle.py --cudagraph-require-mpi \
-  --cudagraph-report="$R/examples-mpi.json"
+step "bench wrapper cost (each observed call, timed from outside)" python3 bench/bench_wrapper_cost.py --backend cuda \
+  --rounds 25 --segment-rounds 60 --json "$R/bench-wrapper-cost.json"
+step "bench sanitizer memory (10,000 captures a round)" python3 bench/bench_sanitizer_memory.py --backend cuda \
+  --json "$R/bench-sanitizer-memory.json"
 step "bench mpi" python3 bench/bench_mpi.py --backend cuda --ranks 2 --engines 3 --json "$R/bench-mpi.json"
-[ ${#BESIDE_PIDS[@]} = 0 ] || wait "${BESIDE_PIDS[@]}"  # (a bare wait would also wait for the log's tee)
-for n in "${!BESIDE[@]}"; do
-  echo; echo "=== ${BESIDE[$n]} (beside the GPU steps)"; cat "$R/beside-$n.log"
-  read -r r t 2>/dev/null < "$R/beside-$n.rc" || { r=1; t=?; }
-  echo "- ${BESIDE[$n]} (beside the GPU steps): $([ "$r" = 0 ] && echo ok || echo "FAILED (rc $r)") in $t s" >> "$R/steps.md"
-  [ "$r" = 0 ] || rc=1
-  rm -f "$R/beside-$n.log" "$R/beside-$n.rc"
-done
+step "probe: checked mode's watch, a dispatch mode against a function mode" python3 scripts/probes/watch_modes.py \
+  --json "$R/probe-watch-modes.json"
+step "probe: the one-op figure, pools pinned, heap frozen or live, sanitizer per round or started once" \
+  python3 scripts/probes/pinned_flush.py --json "$R/probe-pinned-flush.json"
 # every JSON report of this run (written on cuda) against the schema the package ships
 python3 - "$R" <<'PY' || rc=1
 import glob, json, sys
