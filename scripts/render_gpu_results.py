@@ -85,8 +85,12 @@ def render(folder: str, title: str) -> None:
         for name, m in cases:
             model = (f"{name}: hidden {m.get('hidden')}" + (f", ffn {m['ffn']}" if m.get("ffn") else "")
                      + f", {m.get('dtype', 'float32')}, sizes {m.get('sizes', '1..128')}")
+            # no packing goes below the floor: where the floor itself is over 1.10 of the largest graph alone,
+            # the floor row below is the target that can be met
+            target = "≤ 1.10" + (f" (the floor alone is {m['packing_floor_mib'] / m['largest_alone_mib']:.2f}: "
+                                 f"the next row's target holds)" if "packing_floor_mib" in m else "")
             print(f"| 8 sizes in one pool / largest alone ({model}) | {m['shared_over_largest']:.3f} "
-                  f"({m['shared_largest_first_mib']:.0f} vs {m['largest_alone_mib']:.0f} MiB) | ≤ 1.10 |")
+                  f"({m['shared_largest_first_mib']:.0f} vs {m['largest_alone_mib']:.0f} MiB) | {target} |")
             if "packing_floor_mib" in m:
                 print(f"| {name}: shared pool / packing floor (most large + most small bytes of one graph alone) | "
                       f"{m['shared_over_floor']:.3f} ({m['shared_largest_first_mib']:.0f} vs "
