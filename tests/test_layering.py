@@ -1,8 +1,10 @@
-"""The layering the architecture promises (docs/ARCHITECTURE.md): no import cycles (benches included), the
-library never imports pytest, and the plugin imports torch only when something uses it."""
+"""The layering the architecture promises (docs/ARCHITECTURE.md): the map's floors (every module on it, every
+file it names there, each floor importing only from the floors below), no import cycles (benches included),
+the library never imports pytest, and the plugin imports torch only when something uses it."""
 
 import ast
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -84,6 +86,88 @@ def test_the_cycle_test_sees_a_planted_cycle(monkeypatch):
         assert "cudagraph_lifecycle.errors" in str(e)
     else:
         raise AssertionError("a planted cycle was not found")
+
+
+MAP_EXCEPTIONS = {("cudagraph_lifecycle.sanitizer", "cudagraph_lifecycle.checks.mode")}  # named in the map's text
+
+
+def _floors() -> tuple[dict[str, int], list[Path]]:
+    """The map of docs/ARCHITECTURE.md ("## The floors"): each module prefix -> its floor (0 the top), and
+    every path the map names. Floors are separated by a line holding only ``|``; an entry's names are the
+    line's first column, its indentation says which folder above it holds them."""
+    text = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    block = text.split("## The floors", 1)[1].split("```", 2)[1]
+    floor, prefixes, named, folders = 0, {}, [], {}
+    for line in block.splitlines()[1:]:
+        indent = len(line) - len(line.lstrip())
+        if line.strip() == "|":
+            floor += 1
+            continue
+        if not line.strip() or indent > 8:  # a description's continuation
+            continue
+        column = re.split(r"\s{2,}", line.strip(), maxsplit=1)[0]
+        names = [w.split()[0] for w in column.split(", ")
+                 if re.fullmatch(r"[\w*./]+(?:\.py|\.c|\.json|/)", w.split()[0])]
+        for name in names:
+            folder = ROOT if indent == 0 else folders[indent - 2]
+            path = folder / name.rstrip("/")
+            named.append(path)
+            if name.endswith("/"):
+                folders[indent] = path
+            if indent <= 2 and not name.endswith((".c", ".json")) and path.name != "__init__.py":
+                rel = path.relative_to(ROOT / "src") if path.is_relative_to(ROOT / "src") else path.relative_to(ROOT)
+                prefixes[".".join(rel.with_suffix("").parts) if name.endswith(".py") else ".".join(rel.parts)] = floor
+    return prefixes, named
+
+
+def _floor_of(module: str, prefixes: dict[str, int]) -> int | None:
+    found = [(len(p), f) for p, f in prefixes.items() if module == p or module.startswith(p + ".")]
+    return max(found)[1] if found else None
+
+
+def test_every_module_is_on_the_map_and_every_file_it_names_exists():
+    prefixes, named = _floors()
+    missing = [str(p.relative_to(ROOT)) for p in named if not list(p.parent.glob(p.name))]
+    assert not missing, f"docs/ARCHITECTURE.md names files that are not there: {missing}"
+    graph = _imports()
+    unplaced = [m for m in graph if not m.startswith("bench") and m != "cudagraph_lifecycle"
+                and _floor_of(m, prefixes) is None]
+    assert not unplaced, f"modules the map in docs/ARCHITECTURE.md does not show: {unplaced}"
+    shown = {p for p in named if p.suffix == ".py"}
+    for pkg in ("cudagraph_lifecycle", "pytest_cudagraph"):
+        for path in PACKAGES[pkg].rglob("*.py"):  # each file with code by name, not only by its folder
+            body = ast.parse(path.read_text()).body
+            if path.name in ("__init__.py", "__main__.py") and not any(
+                    isinstance(n, (ast.FunctionDef, ast.ClassDef)) for n in body):
+                continue  # a package's exports or a command's entry point: its folder's line says it
+            assert path in shown or any(path.match(str(p)) for p in shown), \
+                f"{path.relative_to(ROOT)} is not named on the map in docs/ARCHITECTURE.md"
+
+
+def _upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    prefixes, _ = _floors()
+    up = []
+    for m, deps in graph.items():
+        if m.startswith("bench") or m == "cudagraph_lifecycle":
+            continue
+        for d in deps:
+            if d.startswith("bench") or d == "cudagraph_lifecycle":
+                continue
+            if _floor_of(d, prefixes) < _floor_of(m, prefixes) and not any(
+                    m.startswith(a) and d == b for a, b in MAP_EXCEPTIONS):
+                up.append(f"{m} (floor {_floor_of(m, prefixes)}) imports {d} (floor {_floor_of(d, prefixes)})")
+    return sorted(up)
+
+
+def test_each_floor_imports_only_from_the_floors_below():
+    assert not _upward_imports(_imports())
+
+
+def test_the_floor_test_sees_a_planted_upward_import():
+    graph = _imports()
+    graph["cudagraph_lifecycle.ledger.pools"] = graph["cudagraph_lifecycle.ledger.pools"] | {"cudagraph_lifecycle.runner"}
+    assert _upward_imports(graph) == ["cudagraph_lifecycle.ledger.pools (floor 4) imports cudagraph_lifecycle.runner "
+                                      "(floor 1)"]
 
 
 def test_the_library_never_imports_pytest():
