@@ -42,11 +42,10 @@ step() {
   [ $r = 0 ] || rc=1
 }
 # beside NAME CMD...: a step run in the background, at the same time as the steps around it; `join` waits for
-# all of them and adds each one's outcome and output, in the order they began. The check has two phases:
-# first the correctness steps all at once (no figure of theirs is a time, and each judges only its own
-# processes' pools, which other processes on the GPU do not change), with the host-only steps beside them;
-# then the benches one after another on a quiet machine. Run one after another, the steps took about 700 s on
-# an H100 in run 32, more than one call of the device tool allows; in two phases, 423 s in run 33.
+# all of them and adds each one's outcome and output, in the order they began. The correctness steps can
+# share the machine: no figure of theirs is a time, and each judges only its own processes' pools, which
+# other processes on the GPU do not change. One after another, the steps took about 700 s on an H100 in run
+# 32, more than one call of the device tool allows; in the two phases, 423 s in run 33.
 BESIDE=() BESIDE_PIDS=()
 beside() {
   local name=$1; shift

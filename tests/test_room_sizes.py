@@ -17,9 +17,8 @@ def _modules() -> list[Path]:
 
 def _oversized(path: Path) -> list[str]:
     text = path.read_text()
-    out = []
-    if len(text.splitlines()) > MODULE_LINES:
-        out.append(f"{path.name}: {len(text.splitlines())} lines (at most {MODULE_LINES})")
+    lines = len(text.splitlines())
+    out = [f"{path.name}: {lines} lines (at most {MODULE_LINES})"] if lines > MODULE_LINES else []
     for node in ast.walk(ast.parse(text)):
         if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > CLASS_LINES:
             out.append(f"{path.name}: class {node.name} {node.end_lineno - node.lineno + 1} lines "
