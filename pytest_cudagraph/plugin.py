@@ -74,8 +74,11 @@ def _check_report_path(s: dict, probe: bool = True) -> str:
             existing = os.path.dirname(existing)
         if not os.path.isdir(existing):  # mkdir -p cannot make a folder where a file is
             raise pytest.UsageError(f"{given}: {existing} is a file, not a folder; choose another path")
-        raise pytest.UsageError(f"{given}: the folder {folder} does not exist; create it (mkdir -p {folder}) or "
-                                "choose another path")
+        try:  # made with its parents, as --junitxml makes its own
+            os.makedirs(folder, exist_ok=True)
+        except OSError as e:
+            raise pytest.UsageError(f"{given}: the folder {folder} cannot be created ({e.strerror or e}); choose a "
+                                    "path under a folder you can write to") from None
     if os.path.isdir(path):
         raise pytest.UsageError(f"{given} is a folder: give a file path such as {path}/cudagraph.json")
     if not os.access(folder, os.W_OK):
@@ -172,6 +175,12 @@ def pytest_configure(config: pytest.Config) -> None:
         s["start_method_effective"], s["start_reason"] = resolve_start_method(s["start_method"])
     except ValueError as e:
         raise pytest.UsageError(f"{settings.describe_source(s, 'start_method')}: {e}") from None
+    # pytest-html's report gets each test's cycles: its hooks are known only where its plugin is loaded, so
+    # they live apart and are imported only then (xdist workers too: they make the reports' extras)
+    if config.pluginmanager.hasplugin("html") and config.getoption("htmlpath", None):
+        from .html_report import HtmlCycles
+
+        config.pluginmanager.register(HtmlCycles(config), "cudagraph-html")
 
 
 def _uses_plugin(item: pytest.Item) -> bool:
@@ -376,7 +385,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             effective_backend(config)  # an xdist controller ran no test: what its workers resolved, read alike
         try:
             reporting.write(s["report"], s, state, exitstatus)
-        except OSError as e:  # the folder went away or filled up since the start: one line, not a traceback
+        except OSError as e:  # a file took its folder's place, or the disk filled up: one line, no traceback
             state["report_error"] = line = (f"cudagraph report not written: {settings.describe_source(s, 'report')}: "
                                             f"{e.strerror or e} ({e.filename or s['report']})")
             if session.exitstatus == pytest.ExitCode.OK:  # as the same path refused at the start would

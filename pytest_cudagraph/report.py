@@ -1,5 +1,5 @@
 """What the session records about each test (outcome, engine cycles, sanitizer findings), the totals, and
-the JSON report with its PNG timeline.
+the JSON report with its memory picture (picture.py).
 
 The totals agree with pytest's exit code: ``lifecycle_failures`` counts the tests that FAILED (not xfailed,
 not passed) with a failed engine cycle or a strict sanitizer finding, and one more for the session when a
@@ -9,6 +9,7 @@ program-wide ``CUDAGRAPH_SANITIZE=strict`` failed it on its findings, so a CI ga
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sys
@@ -186,6 +187,12 @@ def session_capture_path(state: dict) -> str | None:
 
 
 def write(path: str, s: dict, state: dict, exitstatus: int) -> None:
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):  # gone since the start: made again, as --junitxml makes its folder at the end
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except FileExistsError:  # "File exists" would not say that a file took the folder's place
+            raise NotADirectoryError(errno.ENOTDIR, "a file is where its folder goes", folder) from None
     report = {
         "meta": {
             "report_format": REPORT_FORMAT,
@@ -215,7 +222,7 @@ def write(path: str, s: dict, state: dict, exitstatus: int) -> None:
         "totals": totals(state),
         "warnings": deprecation_warnings(),
     }
-    png = timeline_png(rows(state), path)
+    png = timeline_png(report["tests"], path)
     if png:
         report["meta"]["timeline_png"] = png
     tmp = path + ".tmp"
@@ -229,35 +236,10 @@ def write(path: str, s: dict, state: dict, exitstatus: int) -> None:
         raise
 
 
-def timeline_png(cycles: list[tuple[str, dict]], report_path: str) -> str | None:
-    """Pool bytes across engine cycles, next to the JSON report, when matplotlib is installed."""
-    if not cycles:
-        return None
-    try:
-        import matplotlib
+def timeline_png(tests: list[dict], report_path: str) -> str | None:
+    """The memory picture of the run (picture.py), beside the JSON report, where matplotlib is installed and an
+    engine cycle ran: its path, ``meta.timeline_png``."""
+    from .picture import render
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    xs = list(range(len(cycles)))
-    mib = 2**20
-    fig, ax = plt.subplots(figsize=(max(6, len(cycles) * 0.4), 3.5))
-    ax.plot(xs, [c.get("pool_bytes", 0) / mib for _, c in cycles], "o-", label="graph pool bytes before release")
-    ax.plot(xs, [c.get("held_bytes", 0) / mib for _, c in cycles], "s--", label="held by the caller's output")
-    ax.plot(xs, [c.get("leaked_bytes", 0) / mib for _, c in cycles], "x-", color="red", label="leaked")
-    ax.plot(xs, [c.get("growth_bytes", 0) / mib for _, c in cycles], "^:", label="default-pool growth")
-    ax.plot(xs, [max((c.get("graph_bytes") or {0: 0}).values()) / mib for _, c in cycles], "d:",
-            label="largest graph's bytes (runners)")
-    for x, (_, c) in zip(xs, cycles):
-        if c.get("failed"):
-            ax.axvline(x, color="red", alpha=0.2)
-    ax.set_xlabel("engine cycle (in test order)")
-    ax.set_ylabel("MiB")
-    ax.set_title("cudagraph lifecycle: memory per engine cycle")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
     path = os.path.splitext(report_path)[0] + ".png"
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return path if render(tests, path) else None

@@ -69,7 +69,8 @@ OPTIONS = [
     Option("require-mpi", "CUDAGRAPH_REQUIRE_MPI", "cudagraph_require_mpi", False,
            "stop the session at start (exit code 4) when mpi4py or an MPI runtime is missing", kind="bool"),
     Option("report", "CUDAGRAPH_REPORT", "cudagraph_report", None,
-           "write a JSON report of every engine cycle and test outcome to this path", kind="path"),
+           "write a JSON report of every engine cycle and test outcome to this path (its folders made as needed)",
+           kind="path"),
 ]
 BY_NAME = {o.name: o for o in OPTIONS}
 
@@ -256,7 +257,8 @@ LIBRARY_VARIABLES = {"CUDAGRAPH_SANITIZE": "the program-wide sanitizer",
                      "CUDAGRAPH_CHECKED": "the runner's checked mode",
                      "CUDAGRAPH_CAPTURE_PATH": "the observation layer's capture path"}
 INTERNAL_VARIABLES = ("CUDAGRAPH_HAZARD_FILE", "CUDAGRAPH_IN_WORKER", "CUDAGRAPH_WORKER_TAG",
-                      "CUDAGRAPH_CONFORMANCE_BACKEND")  # (the last: this project's conformance tests')
+                      "CUDAGRAPH_CONFORMANCE_BACKEND",  # (this project's conformance tests')
+                      "CUDAGRAPH_BUILD_EXTENSION")  # (setup.py's, at build: left exported, it is no misspelling)
 
 
 def _near_names(name: str, meaning: dict[str, str], prefix: str, what: str) -> str:

@@ -48,10 +48,13 @@ OPTIONS = [
      "CUDAGRAPH_CHECKED='maybe' is not a boolean: set it to 1 (checked mode for every runner that does not choose)"),
     ("capture path env", [], {"CUDAGRAPH_CAPTURE_PATH": "fast"}, "",
      "CUDAGRAPH_CAPTURE_PATH='fast' is not one of auto, compiled, python: set it to 'python' to observe captures"),
-    ("report folder cli", ["--cudagraph-report=/nonexistent/dir/r.json"], {}, "",
-     "--cudagraph-report=/nonexistent/dir/r.json: the folder /nonexistent/dir does not exist; create it (mkdir -p"),
-    ("report folder env", [], {"CUDAGRAPH_REPORT": "/nonexistent/dir/r.json"}, "",
-     "CUDAGRAPH_REPORT=/nonexistent/dir/r.json: the folder /nonexistent/dir does not exist"),
+    # a missing folder is made (tests/test_report_paths.py); one that cannot be (none can be made in /proc) is not
+    ("report folder cli", ["--cudagraph-report=/proc/cudagraph/dir/r.json"], {}, "",
+     "--cudagraph-report=/proc/cudagraph/dir/r.json: the folder /proc/cudagraph/dir cannot be created ("),
+    ("report folder env", [], {"CUDAGRAPH_REPORT": "/proc/cudagraph/r.json"}, "",
+     "CUDAGRAPH_REPORT=/proc/cudagraph/r.json: the folder /proc/cudagraph cannot be created"),
+    ("report folder ini", [], {}, "cudagraph_report = /proc/cudagraph/r.json",
+     "ini key cudagraph_report=/proc/cudagraph/r.json: the folder /proc/cudagraph cannot be created"),
     ("report is a folder", ["--cudagraph-report=."], {}, "", "is a folder: give a file path"),
     ("report under a file", ["--cudagraph-report=/etc/passwd/out/r.json"], {}, "",
      "--cudagraph-report=/etc/passwd/out/r.json: /etc/passwd is a file, not a folder; choose another path"),
@@ -244,15 +247,16 @@ def test_a_report_folder_where_no_file_can_be_made(pytester):
 
 @pytest.mark.parametrize("terminal", [True, False], ids=["terminal", "no terminal"])
 def test_a_report_that_cannot_be_written_at_the_end_is_one_line(pytester, terminal):
-    """Its folder removed during the session: one line naming the option, exit code 4 for a passing session."""
+    """A file put where its folder was during the session (a removed folder is made again): one line naming the
+    option, exit code 4 for a passing session."""
     (pytester.path / "out").mkdir()
-    pytester.makepyfile(test_a="import shutil\ndef test_x():\n    shutil.rmtree('out')\n")
+    pytester.makepyfile(test_a="import shutil\ndef test_x():\n    shutil.rmtree('out')\n    open('out', 'w').close()\n")
     res = pytester.runpytest_subprocess("-p", "cudagraph", "--cudagraph-report=out/r.json",
                                         *([] if terminal else ["-p", "no:terminal"]))
     assert res.ret == pytest.ExitCode.USAGE_ERROR
     out = res.stdout.str() + res.stderr.str()
     assert "Traceback" not in out and "cudagraph report: " not in out, out
-    words = "ERROR: cudagraph report not written: --cudagraph-report=out/r.json: No such file or directory"
+    words = "ERROR: cudagraph report not written: --cudagraph-report=out/r.json: a file is where its folder goes"
     assert words in (res.stdout.str() if terminal else res.stderr.str()), out
 
 

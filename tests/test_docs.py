@@ -17,6 +17,7 @@ the record's, the generated reference renders, and the README stays short.
 """
 
 import importlib.util
+import itertools
 import json
 import os
 import re
@@ -122,7 +123,18 @@ def _runs_the_suite(command: str) -> bool:
     return (words[:1] == ["pytest"] or words[:3] == ["python3", "-m", "pytest"]) and "tests" in words
 
 
-CI_PACKAGES = set().union(*(_packages(c) for c in _commands(CI)))
+def _with_extras(package: str) -> set[str]:
+    """What installing ``package`` installs: itself and, for ``X[a,b]``, ``X``, ``X[a]`` and ``X[b]`` (so a page's
+    ``.[test]`` is covered by CI's ``.[test,hf]``)."""
+    m = re.fullmatch(r"(.+)\[([\w,-]+)\]", package)
+    if m is None:
+        return {package}
+    extras = m.group(2).split(",")
+    return {m.group(1)} | {f"{m.group(1)}[{','.join(c)}]" for n in range(1, len(extras) + 1)
+                           for c in itertools.combinations(extras, n)}
+
+
+CI_PACKAGES = set().union(*(_with_extras(p) for c in _commands(CI) for p in _packages(c)))
 CI_TEST = next(c for c in _commands(CI) if _runs_the_suite(c))
 
 

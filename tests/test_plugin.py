@@ -384,7 +384,7 @@ def test_an_engines_marker_on_a_test_without_engine_sequence_is_warned(pytester)
     "args, env, message",
     [(["--cudagraph-backend=tpu"], {}, "*--cudagraph-backend='tpu' is not one of*"),
      ([], {"CUDAGRAPH_TIMEOUT": "soon"}, "*CUDAGRAPH_TIMEOUT='soon' is not a number*"),
-     (["--cudagraph-report=/nonexistent/dir/r.json"], {}, "*folder /nonexistent/dir does not exist*"),
+     (["--cudagraph-report=/proc/cudagraph/dir/r.json"], {}, "*folder /proc/cudagraph/dir cannot be created*"),
      (["--cudagraph-start-method=thread"], {}, "*is not one of*"),
      (["--cudagraph-mpi-ranks=0"], {}, "*--cudagraph-mpi-ranks='0' is below 1*"),
      ([], {"CUDAGRAPH_TIMEOUT": "-3"}, "*CUDAGRAPH_TIMEOUT='-3' is below 0 (0 means no limit)*"),
@@ -804,7 +804,8 @@ def test_the_readmes_ci_gate_reads_the_report_whatever_pytest_returned(tmp_path,
     bin_dir.mkdir()
     fake = bin_dir / "python3"  # `python3 -m pytest` stands for the session: writes the report, exits as told
     report = "" if lifecycle_failures is None else \
-        f"echo '{{\"totals\": {{\"lifecycle_failures\": {lifecycle_failures}}}}}' > reports/cudagraph.json"
+        ("mkdir -p reports && "  # as the plugin makes the report's folder
+         f"echo '{{\"totals\": {{\"lifecycle_failures\": {lifecycle_failures}}}}}' > reports/cudagraph.json")
     fake.write_text(f"""#!/bin/sh
 if [ "$1 $2" = "-m pytest" ]; then
   {report}
