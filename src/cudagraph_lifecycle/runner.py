@@ -153,6 +153,7 @@ class CUDAGraphRunner(KeyedReplay, RunnerReports):
         self.watch = watch
         self._replays_of: Counter[tuple] = Counter()  # (graph key, real batch) -> replays, for recheck_every
         self._addresses = checks.AddressBook()
+        self._writes: dict[tuple, list] = {}  # graph key -> storages from outside it that it writes (the op watch)
         # during capture() with the op watch: (the set's known reads, the names of the tensors it may read, the
         # watch's class: compiled or Python, as CUDAGRAPH_CAPTURE_PATH says)
         self._watched: tuple[dict, dict, type] | None = None
@@ -284,6 +285,7 @@ class CUDAGraphRunner(KeyedReplay, RunnerReports):
                     err_where = offender or (checks.user_frame(err.__traceback__) if err.__traceback__ else None)
                 elif watch is not None:
                     self._addresses.add(f"graph {label}", watch.reads, self._watched[1])
+                    self._writes[(bs, ekey)] = list(watch.writes.values())
         if err is None:
             err = _unsliceable(out, bs)
         if err is not None:
@@ -330,6 +332,7 @@ class CUDAGraphRunner(KeyedReplay, RunnerReports):
                 self._graphs.popitem()[1][0].reset()
             self._static_in = None
             self._stream = None
+            self._writes.clear()
             self._released = True
             be.synchronize(self.device)
             if self._owns_pool:

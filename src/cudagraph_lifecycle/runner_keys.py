@@ -143,7 +143,8 @@ class KeyedReplay:
             self._guard.replaying((bs, ekey))
         if self._poison and self._due((bs, ekey, b)):
             checks.checked_replay(graph, self._static_in, b, bs, out, self.pad_value,
-                                  f"runner {self.name!r}, batch {b} on the batch-{bs} graph")
+                                  f"runner {self.name!r}, batch {b} on the batch-{bs} graph",
+                                  self._writes.get((bs, ekey)))
         else:
             if b < bs:
                 self._static_in[b:bs].fill_(self.pad_value)

@@ -52,17 +52,27 @@ _Tensor = torch.Tensor  # one global lookup per isinstance instead of two
 # A tensor's storage identity (the StorageImpl's address, as ``untyped_storage()._cdata``) without making a
 # storage object: half the cost per tensor, and most tensors an op passes are seen for their identity only.
 _storage_id = getattr(torch._C, "_storage_id", None) or (lambda t: t.untyped_storage()._cdata)
-_OPS: dict[Any, tuple[str, Any]] = {}  # op -> (readable name, what to call)
+_OPS: dict[Any, tuple[str, Any, tuple]] = {}  # op -> (readable name, what to call, the arguments it writes)
 
 
-def _op(func: Any) -> tuple[str, Any]:
+def _written(func: Any) -> tuple:
+    """The positions and keyword names of the tensor arguments ``func`` writes in place (``add_``'s self,
+    ``index_copy_``'s self, an ``out=``): () for the ops that write none, most of them."""
+    schema = getattr(func, "_schema", None)
+    if schema is None or not getattr(schema, "is_mutable", False):
+        return ()
+    return tuple(i if not a.kwarg_only else a.name for i, a in enumerate(schema.arguments)
+                 if a.alias_info is not None and a.alias_info.is_write)
+
+
+def _op(func: Any) -> tuple[str, Any, tuple]:
     entry = _OPS.get(func)
     if entry is None:
         name = str(func)  # "aten.mm.default": the readable form is the op without its default overload
         if name.endswith(".default"):
             name = name[: -len(".default")]
         # An OpOverload's own __call__ only forwards to its C++ op: call that directly, one frame less per op.
-        entry = _OPS[func] = (name, getattr(func, "_op", func))
+        entry = _OPS[func] = (name, getattr(func, "_op", func), _written(func))
     return entry
 
 
@@ -90,6 +100,9 @@ class CaptureWatch(TorchDispatchMode):
         self._invalidated = invalidated  # () -> bool: has the backend's capture been invalidated? (None: unknown)
         self.born: set[int] = set()
         self.reads: dict[int, ReadStorage] = {}
+        # storages from outside the capture that its ops write in place (a KV cache, a step counter): a replay
+        # changes them, so a check that replays an extra time must put them back (checks/padding.py)
+        self.writes: dict[int, Any] = {}  # storage key -> StorageWeakRef
         self.offender: str | None = None
         self._known: dict[int, tuple] = {} if known is None else known
         self._state = (self.born, self.reads, self._known, invalidated)  # what the compiled op path reads
@@ -128,8 +141,18 @@ class CaptureWatch(TorchDispatchMode):
             for t in out:
                 self._born(t)
 
+    def _wrote(self, written: tuple, args: tuple, kwargs: dict) -> None:
+        for w in written:
+            t = kwargs.get(w) if isinstance(w, str) else (args[w] if w < len(args) else None)
+            if isinstance(t, _Tensor):
+                key = _storage_id(t)
+                if key not in self.born and key not in self.writes:
+                    self.writes[key] = StorageWeakRef(t.untyped_storage())
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name, call = _OPS.get(func) or _op(func)
+        name, call, written = _OPS.get(func) or _op(func)
+        if written:
+            self._wrote(written, args, kwargs or {})
         born, reads, known = self.born, self.reads, self._known
         for a in args:  # inlined: the common argument is a tensor, read by an earlier graph of the set
             if isinstance(a, _Tensor):
