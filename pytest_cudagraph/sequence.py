@@ -228,6 +228,15 @@ class EngineSequence:
             pass  # the engine's own failure is what the test reports
 
     def _fail(self, i: int, e: Exception) -> EngineCycleError:
+        if isinstance(e, (WorkerCrashed, WorkerTimeout)):  # the worker went before the previous output was dropped
+            for rec in self.records:
+                if rec["index"] == i - 1 and rec.get("verdict") == "held":
+                    rec["problems"].append({
+                        "kind": "held_unconfirmed", "bytes": 0, "stacks": [], "pins": [], "sites": [],
+                        "message": f"engine {i}'s worker {'crashed' if isinstance(e, WorkerCrashed) else 'timed out'} "
+                                   "before the caller dropped this engine's output, so whether its pools empty "
+                                   "once the output goes was never checked: the verdict rests on what pinned "
+                                   "them at its release"})
         self.records.append(self._crash_record(i, e))
         if not isinstance(e, (WorkerCrashed, WorkerTimeout)):
             self._snapshot()

@@ -92,6 +92,11 @@ print(f"- GPU: {torch.cuda.get_device_name(0)}, driver "
                        capture_output=True, text=True).stdout.strip())
 import pytest, importlib.metadata as md
 print(f"- pytest {pytest.__version__}, pytest-cudagraph {md.version('pytest-cudagraph')}")
+try:
+    import transformers
+    print(f"- transformers {transformers.__version__} (the real-model engines)")
+except ImportError as e:
+    print(f"- transformers: not importable ({e}): the real-model engines skip")
 from cudagraph_lifecycle.observe import compiled
 print(f"- capture path: {compiled.describe()}")
 import hashlib, os, pathlib
@@ -121,6 +126,8 @@ if [ -f .ptests/test_pytorch_graphs.py ]; then
 fi
 beside "peer-style engine matrix (16 styles x hold/drop x sanitizer off/on/strict; plain PyTorch's truth)" \
   $PT tests/test_peer_matrix.py -n 8 --cudagraph-report="$R/peer-matrix.json" -q
+beside "real-model engines (a transformers Llama on token ids, static KV cache: 6 styles x hold/drop x off/on/strict; plain PyTorch's truth)" \
+  $PT tests/test_real_model.py -n 4 --cudagraph-report="$R/real-model.json" -q
 beside "piecewise engines (vLLM v1 style: pieces of every batch size in one pool)" \
   $PT tests/test_piecewise_engines.py --cudagraph-backend=cuda -n 4 -q --cudagraph-report="$R/piecewise.json"
 beside "examples, fork path (pytest process without CUDA)" $PT examples/ --cudagraph-report="$R/examples-fork.json"
@@ -149,6 +156,8 @@ if [ -n "${GPU_CHECK_BASELINE:-}" ]; then
   step "bench worker, baseline tree" env PYTHONPATH=/tmp/site-base:$GPU_CHECK_BASELINE \
     python3 "$GPU_CHECK_BASELINE/bench/bench_worker.py" --backend cuda --engines 3 --json "$R/bench-worker-baseline.json"
 fi
+step "bench checked mode on an LLM decode step (transformers Llama, int64 token ids)" python3 bench/bench_checked_llm.py \
+  --backend cuda --json "$R/bench-checked-llm.json"
 step "bench wrapper cost (each observed call, timed from outside)" python3 bench/bench_wrapper_cost.py --backend cuda \
   --rounds 25 --segment-rounds 60 --json "$R/bench-wrapper-cost.json"
 step "bench sanitizer memory (10,000 captures a round)" python3 bench/bench_sanitizer_memory.py --backend cuda \

@@ -31,21 +31,24 @@ def plain_sequence(style: str, mode: str, backend: Backend, n: int = 3) -> list[
     return plain_sequence_bytes(style, mode, backend, n)[0]
 
 
-def plain_sequence_bytes(style: str, mode: str, backend: Backend, n: int = 3) -> tuple[list[str], int]:
+def plain_sequence_bytes(style: str, mode: str, backend: Backend, n: int = 3, styles: dict | None = None,
+                         reset=reset_module_state) -> tuple[list[str], int]:
     """As :func:`plain_sequence`, and the bytes the graph pools still hold at the end, once the caller let go
     of the output it held (the copies it kept, ``drop``, stay: a copy's autograd history is the caller's):
-    what the process lost to these engines, read from the allocator alone."""
-    if style not in STYLES:
-        raise ValueError(f"unknown style {style!r}: choose one of {''.join(STYLES)}")
+    what the process lost to these engines, read from the allocator alone. ``styles`` and ``reset``: another
+    family of engines (``hf_engines``) and how to forget its process-wide handles."""
+    styles = STYLES if styles is None else styles
+    if style not in styles:
+        raise ValueError(f"unknown style {style!r}: choose one of {', '.join(styles)}")
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}: choose one of {', '.join(MODES)}")
-    reset_module_state()
+    reset()
     outcomes: list[str] = []
     held = None
     kept = []  # the caller's copies ("drop"): a copy of an output with autograd history keeps that history
     for _ in range(n):
         try:
-            eng = STYLES[style](backend)
+            eng = styles[style](backend)
             if hasattr(eng, "capture"):  # (o) captures as it is built
                 eng.capture()
             if held is not None:

@@ -149,8 +149,7 @@ OTHER = [
 
 def test_private_torch_apis_are_feature_detected(monkeypatch):
     """A build without the private allocator functions: each names what is off, and the calls do nothing."""
-    names = ("_cuda_getPoolUseCount", "_host_emptyCache", "_cuda_endAllocateToPool", "_cuda_releasePool",
-             "_cuda_clearCublasWorkspaces")
+    names = ("_cuda_getPoolUseCount", "_host_emptyCache", "_cuda_endAllocateToPool", "_cuda_releasePool")
     for name in names:
         monkeypatch.delattr(torch._C, name, raising=False)
     missing = missing_features()
@@ -160,7 +159,6 @@ def test_private_torch_apis_are_feature_detected(monkeypatch):
     be.host_empty_cache()
     be.release_pool_reference((0, 1))
     assert be.end_capture_routing((0, 1)) is False
-    assert be.clear_library_workspaces() is False
 
 
 @pytest.mark.parametrize("what, call, error, words", OTHER, ids=[r[0] for r in OTHER])

@@ -220,13 +220,14 @@ def test_the_suite_counts_on_the_fault_page_are_the_tables():
 
 
 def test_the_problem_kinds_on_the_verdicts_page_are_the_records():
-    from cudagraph_lifecycle.record import FAILING, STRICT_FAILING
+    from cudagraph_lifecycle.record import FAILING, NOTES, STRICT_FAILING
 
     text = (ROOT / "docs" / "verdicts.md").read_text()
     section = text[text.index("\n## Problems"):].split("\n## ", 2)[1]
-    rows = re.findall(r"^\| `(\w+)` \|.*\| (yes|under `strict`) \|$", section, re.M)
-    assert sorted(k for k, _ in rows) == sorted(FAILING + STRICT_FAILING), "a problem kind missing or doubled"
+    rows = re.findall(r"^\| `(\w+)` \|.*\| (yes|under `strict`|no) \|$", section, re.M)
+    assert sorted(k for k, _ in rows) == sorted(FAILING + STRICT_FAILING + NOTES), "a problem kind missing or doubled"
     assert {k for k, fails in rows if fails == "yes"} == set(FAILING)
+    assert {k for k, fails in rows if fails == "no"} == set(NOTES)
 
 
 def test_the_generated_reference_renders():

@@ -316,65 +316,49 @@ def test_the_autograd_graph_of_a_copy_is_named():
     san.stop()
 
 
-class WorkspaceSim(SimBackend):
-    """A simulated allocator with one library workspace cache, as cuBLAS keeps per stream: a block made
-    inside a capture stays alive in that graph's pool until the cache is cleared."""
-
-    has_library_workspaces = True
-
-    def __init__(self):
-        super().__init__()
-        self.workspace = None  # the storage alone, as C++ holds it: no Python tensor refers to it
-        self.cleared = 0
-
-    def clear_library_workspaces(self) -> bool:
-        self.cleared += 1
-        self.workspace = None
-        return True
-
-
 def _workspace_pinned(keep_graph_alive: bool):
-    be = WorkspaceSim()
-    san, c, h, g = _watched(be)
-    x = c.tensor(16)
+    """A released pool that cuBLAS's (simulated) workspace pins: the first matmul on torch.cuda.graph's own
+    stream ran inside the capture, so the stream's workspace was made there, in the pool, for good."""
+    from cudagraph_lifecycle.backends.sim import WORKSPACE_BYTES
 
-    def body():
-        be.workspace = torch.empty(1 << 20, dtype=torch.uint8).untyped_storage()  # the "first matmul" here
-        return x * 2
-
-    c.capture(g, h, body)
+    be = SimBackend()
+    san, _, h, g = _watched(be)
+    w, x = be.randn(8, 8), be.randn(4, 8)
+    with be.graph(g, pool=h):  # no stream given: torch.cuda.graph's own, where no matmul ran yet
+        y = x @ w
+    del y
     other = None
     if keep_graph_alive:
         other = be.new_graph()
-        c.step(other, be.graph_pool_handle())
+        with be.graph(other, pool=be.graph_pool_handle()):
+            x @ w
     g.reset()
     be.empty_cache()
+    assert be.pool_state(h).allocated_bytes == WORKSPACE_BYTES  # the workspace alone
     return be, san, (be.world, 0, h), other
 
 
-def test_a_library_workspace_is_named_by_clearing_the_caches_when_no_graph_lives():
-    be, san, key, _ = _workspace_pinned(keep_graph_alive=False)
+@pytest.mark.parametrize("graphs_alive", [False, True])
+def test_a_library_workspace_is_named_without_freeing_it(graphs_alive):
+    """Named by what the backend knows of it, while graphs live too, and never freed to find out: the pool
+    stays dead, as it does in the user's process (a capture into it would assert)."""
+    from cudagraph_lifecycle.backends.sim import WORKSPACE_BYTES
+
+    be, san, key, other = _workspace_pinned(keep_graph_alive=graphs_alive)
     (pin,) = what_pins(be, [key])
-    assert pin.cause == "library_workspace" and be.cleared == 1 and pin.bytes == 1 << 20
-    assert "clearCublasWorkspaces" in pin.fix
+    assert (pin.cause, pin.bytes) == ("library_workspace", WORKSPACE_BYTES), pin
+    assert "simulated cuBLAS workspace of stream" in pin.holder and "clearCublasWorkspaces" in pin.fix
+    be.empty_cache()
+    assert be.pool_state(key[2]).allocated_bytes == WORKSPACE_BYTES and be.would_assert(key[2])
     san.stop()
 
 
-def test_the_caches_are_not_cleared_while_a_graph_lives():
+def test_a_backend_without_library_workspaces_names_none():
     be, san, key, other = _workspace_pinned(keep_graph_alive=True)
-    (pin,) = what_pins(be, [key])
-    assert pin.cause == "unknown" and be.cleared == 0, pin.holder  # a live graph may replay into a workspace
-    assert pin.holder == ("a holder the garbage collector does not see (not looked for as a library workspace: "
-                          "1 graph of the device alive, which may replay into one)")
-    assert "record allocation stacks" in pin.fix
-    san.stop()
-
-
-def test_a_backend_without_library_workspaces_does_not_say_one_was_not_looked_for():
-    be, san, key, other = _workspace_pinned(keep_graph_alive=True)
-    be.has_library_workspaces = False  # the plain simulated allocator: no workspace could be there
+    be.has_library_workspaces = False  # a backend that cannot tell a workspace: what nothing names is unknown
     (pin,) = what_pins(be, [key])
     assert (pin.cause, pin.holder) == ("unknown", "a holder the garbage collector does not see")
+    assert "record allocation stacks" in pin.fix
     san.stop()
 
 
@@ -792,7 +776,7 @@ def test_a_users_folder_named_like_the_package_is_still_the_users(tmp_path):
 @pytest.mark.usefixtures("heap")
 def test_an_unreadable_autograd_graph_is_blamed_only_for_what_nothing_else_explains():
     """A kept tensor whose autograd graph saved tensors that were modified in place since (autograd refuses
-    to hand them back) is inferred to pin what is left, but only after the workspace caches were tried: the
+    to hand them back) is inferred to pin what is left, but only after library workspaces were looked for: the
     workspace is named as such."""
     w = torch.ones(4, requires_grad=True)
     y = (w * 2).relu()
@@ -889,9 +873,12 @@ class KeptHandleEngine:
         g = be.new_graph()
         with be.stream(be.capture_stream(0)):
             g.capture_begin(pool=KeptHandleEngine.pool)
-            self.y = self.w * 2
+            self.y = self.captured_body()
             g.capture_end()
         self.g = g
+
+    def captured_body(self):
+        return self.w * 2
 
     def run(self, x):
         if self.g is None:
@@ -984,8 +971,11 @@ def test_a_lazy_engine_captures_while_the_caller_still_holds_the_previous_output
     """The caller holds the previous output until this engine has captured, and a lazy engine captures at its
     first run: the kept id's pool is still pinned then, so the second engine is stale, not latent reuse."""
     recs = cudagraph_worker.call(_kept_handle_cycles, LazyKeptHandleEngine, sanitized)
-    # a stale capture ends judging in every mode alike (cycle.ends_here): the held engine is not judged again
-    assert [(r["index"], r["verdict"]) for r in recs] == [(0, "held"), (1, "stale")], recs
+    # a stale capture ends judging in every mode alike (cycle.ends_here); the held engine's record comes back
+    # with it, made final from what pinned the pool as the stale capture came: the held output alone
+    final = {r["index"]: r for r in recs}
+    assert [(i, r["verdict"]) for i, r in final.items()] == [(0, "held"), (1, "stale")], recs
+    assert not final[0]["problems"], final[0]["problems"]
     assert recs[-1]["poisoned"] is not sanitized and recs[-1]["failed"], recs[-1]
     if sanitized:
         assert "held as the previous engine's output" in recs[-1]["problems"][0]["message"], recs[-1]

@@ -212,7 +212,8 @@ def test_a_worker_crashing_after_a_reported_teardown_says_so():
 def test_what_pins_the_first_make_graphed_callables_is_named(engine_sequence):
     """In a fresh worker: the first training-style make_graphed_callables leaves cuBLAS workspaces of its
     captures in its pool (the H200 probe of 2026-12-04, git history of docs/gpu-results/): leaked, and the
-    record names them; the diagnosis makes them again outside any capture, so the next engine is fresh."""
+    record names them without freeing them (the pool stays as plain PyTorch keeps it); the next engine's
+    captures use those workspaces, so its own pool is fresh."""
     records = engine_sequence(gpu_cases.graphed_with_backward, 2, output="drop", check=False)
     first = records[0]
     (leaked,) = [p for p in first["problems"] if p["kind"] == "leaked"]  # also release_incomplete: gc frees them

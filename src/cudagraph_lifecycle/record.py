@@ -27,6 +27,8 @@ FAILING = ("stale", "leaked", "graphs_not_reset", "replay_mismatch", "replay_che
            "growth_over_budget", "pool_over_budget", "too_many_captures", "never_replayed", "expandable_teardown",
            "error")
 STRICT_FAILING = ("reused", "pool_ids_mismatch", "release_incomplete", "sanitizer")
+# problem kinds that never fail a cycle: what a reader of the verdict should know
+NOTES = ("held_unconfirmed",)
 
 
 def ends_process(poisoned: bool, verdict: str) -> bool:

@@ -186,8 +186,7 @@ class Backend(ABC):
         ``backward``: also those of autograd's device thread, whose cuBLAS handle is its own.
         ``torch_capture_stream``: also torch.cuda.graph's own stream, where it exists (to make again what
         clearing the caches took; a cycle leaves it alone: what lands there is what the engine does).
-        Cheap when they exist; ``torch._dynamo.reset()`` frees them, so cycles call this every time. The
-        simulated allocator has no library workspaces: nothing to do there."""
+        Cheap when they exist; ``torch._dynamo.reset()`` frees them, so cycles call this every time."""
         return None
 
     def capture_stream(self, device: int = 0) -> Any:
@@ -292,18 +291,20 @@ class Backend(ABC):
         backend's devices."""
         return None
 
-    # whether clear_library_workspaces can drop anything here: where it can, a block nothing names while a
-    # graph lives may be a workspace that was not looked for, and the pin says so
+    # whether libraries keep per-stream workspaces in this allocator (cuBLAS on CUDA, its model on sim): where
+    # they do, a block nothing names may be one, and a pin that cannot tell says so
     has_library_workspaces = False
-    # default-pool bytes that clear_library_workspaces made again, over this world's life: an engine cycle
-    # leaves them out of the engine's growth (the tool made them, not the engine)
-    workspace_bytes_remade = 0
 
-    def clear_library_workspaces(self) -> bool:
-        """Drop the libraries' cached workspaces (cuBLAS: one per stream) and make them again outside any
-        capture, adding what that made to :attr:`workspace_bytes_remade`. Only while no graph is alive: a live
-        graph may replay into one. True if done."""
-        return False
+    def library_workspace(self, block: Block, device: int = 0) -> str | None:
+        """Why the live ``block`` is a library's workspace (cuBLAS keeps one per thread's handle and stream,
+        for the process's life: one made inside a capture lies in that graph's pool), in words; None where it
+        is not, or this backend cannot tell. Reads, never frees: nothing the user's process would still hold
+        is let go to find out."""
+        return None
+
+    def workspace_bytes(self, device: int = 0) -> int | None:
+        """The bytes of libraries' workspaces one new stream gets on ``device`` (None: unknown here)."""
+        return None
 
     def dump_snapshot(self, path: str) -> str | None:
         """Write the allocator's memory snapshot (PyTorch's memory visualizer opens it); None if it cannot."""

@@ -15,6 +15,7 @@ import torch
 
 from ..errors import BackendUnavailableError
 from .base import Backend, Block, GraphAPI, PoolId, PoolState, expandable_from_env
+from .workspaces import MeasuredWorkspaces
 
 # private torch functions this backend uses, and what is off without each
 _PRIVATE = {
@@ -22,7 +23,6 @@ _PRIVATE = {
     "_host_emptyCache": "the host allocator's flush (its ledger of graph pools is then never cleared here)",
     "_cuda_endAllocateToPool": "closing the allocator's record after a failed capture",
     "_cuda_releasePool": "giving back a failed capture's pool reference",
-    "_cuda_clearCublasWorkspaces": "naming a cuBLAS workspace as what pins a pool",
 }
 
 
@@ -36,7 +36,7 @@ def _private(name: str):
     return fn if callable(fn) else None
 
 
-class CudaBackend(Backend):
+class CudaBackend(MeasuredWorkspaces, Backend):
     name = "cuda"
     world = "cuda"  # one CUDA caching allocator per process
     _process: CudaBackend | None = None
@@ -69,13 +69,19 @@ class CudaBackend(Backend):
         return torch.cuda.current_device()
 
     def prewarm(self, device: int = 0, backward: bool = False, torch_capture_stream: bool = False) -> None:
+        # the library's capture stream is new at the first prewarm: what its first matmuls leave alive are
+        # the workspaces' sizes (measured, so no size is assumed for any GPU or setting)
+        self._measure_workspaces(device, self.capture_stream(device))
         streams = [torch.cuda.current_stream(self.torch_device(device)), self.capture_stream(device)]
         # torch.cuda.graph's own stream (make_graphed_callables captures there too) is the engine's: a
         # process's first capture on it leaves cuBLAS's workspace in that graph's pool, which plain PyTorch
-        # loses too. Warmed only to put back what clearing the workspaces took away, and never created here.
+        # loses too. Warmed only on request (a probe), never by a cycle.
         default_capture = getattr(torch.cuda.graph, "default_capture_stream", None)
         if torch_capture_stream and default_capture is not None and default_capture.device.index == device:
             streams.append(default_capture)
+        self._warm(device, streams, backward)
+
+    def _warm(self, device: int, streams: list, backward: bool = False) -> None:
         dev = self.torch_device(device)
         for stream in streams:
             with torch.cuda.stream(stream), torch.no_grad():
@@ -213,22 +219,6 @@ class CudaBackend(Backend):
         except (RuntimeError, NotImplementedError):  # a tensor subclass or a meta view without storage
             return None
         return st.data_ptr(), st.data_ptr() + st.nbytes()
-
-    has_library_workspaces = True
-
-    def clear_library_workspaces(self) -> bool:
-        fn = _private("_cuda_clearCublasWorkspaces")
-        if fn is None or not torch.cuda.is_initialized() or torch.cuda.is_current_stream_capturing():
-            return False
-        fn()
-        # made again now, outside any capture (autograd's thread included): otherwise the next capture would
-        # make them inside it, in its pool, where the process's first one did
-        devices = range(torch.cuda.device_count())
-        before = sum(self.default_pool_reserved(d) for d in devices)
-        for device in devices:
-            self.prewarm(device, backward=True, torch_capture_stream=True)
-        self.workspace_bytes_remade += max(0, sum(self.default_pool_reserved(d) for d in devices) - before)
-        return True
 
     def record_history(self, on: bool = True) -> str | None:
         fn = getattr(torch.cuda.memory, "_record_memory_history", None)

@@ -6,8 +6,11 @@ capture under way, pool ids minted, a poisoned RNG) and answers the interface fr
 segments) and its graph-API objects (``sim_graph.py``: streams, MemPool, graphs, capture and replay).
 
 The default pool holds what the backend's own factories (``randn``, ``empty``) allocate, with the same size
-classes, so an engine whose weights or buffers outlive it grows the default pool as on CUDA; library
-workspaces are not modeled.
+classes, so an engine whose weights or buffers outlive it grows the default pool as on CUDA. cuBLAS's
+workspace is modeled: one per thread and stream (``WORKSPACE_BYTES``), made by the first matmul there and
+kept for the process's life, in the pool of the capture it was made in, where that was inside one (measured
+on the H100 and H200: docs/ARCHITECTURE.md). ``torch.cuda.graph``'s own capture stream
+(``graph()`` without a stream) is not the library's ``capture_stream()``, as on CUDA.
 
 ``get_backend("sim")`` is the process's one simulated allocator (``SimBackend.process()``, built afresh in
 a forked child); each ``SimBackend()`` built directly is an isolated world: a poisoned one does not poison
@@ -50,13 +53,15 @@ from .sim_graph import (  # noqa: F401 - the graph API's names, offered here as 
     POISON_MESSAGE,
     POOL_MESSAGE,
     REPLAY_MESSAGE,
+    EagerBlasWatch,
     SimGraph,
     SimMemPool,
     SimStream,
 )
+from .workspaces import WORKSPACE_BYTES, ModeledWorkspaces  # noqa: F401 - offered here as well
 
 
-class SimBackend(Backend):
+class SimBackend(ModeledWorkspaces, Backend):
     """A CPU model of the CUDA caching allocator's private pools, with ``devices`` simulated devices.
 
     ``SimBackend()`` is an isolated world of its own; ``SimBackend.process()`` (what ``get_backend("sim")``
@@ -101,6 +106,10 @@ class SimBackend(Backend):
         self._streams = threading.local()  # as CUDA's, the current stream is each thread's own
         self._capturing: SimGraph | None = None
         self.poisoned: str | None = None
+        # (thread, device, stream id) -> (the workspace's storage, its block's key): the storage alone, as the
+        # library's C++ cache holds it (no tensor a holder search could name)
+        self._workspaces: dict[tuple[int, int, int], tuple[torch.UntypedStorage, int]] = {}
+        self._torch_capture_streams: dict[int, SimStream] = {}  # torch.cuda.graph's own, one per device
 
     @property
     def record_stacks(self) -> bool:
@@ -203,8 +212,14 @@ class SimBackend(Backend):
     def stream(self, stream: SimStream):
         prev = getattr(self._streams, "current", None)
         self._streams.current = stream
+        # the first matmul on a stream without a workspace makes one: watched only until it exists
+        watch = None if stream.default or self._has_workspace(stream) else EagerBlasWatch(self, stream)
         try:
-            yield stream
+            if watch is None:
+                yield stream
+            else:
+                with watch:
+                    yield stream
         finally:
             self._streams.current = prev
 
@@ -213,7 +228,7 @@ class SimBackend(Backend):
         self.synchronize()
         self.empty_cache()
         self.host_empty_cache()
-        stream = stream or self.capture_stream(self.current_device())  # torch.cuda.graph's one default stream
+        stream = stream or self.torch_capture_stream(self.current_device())
         with self.stream(stream):
             graph.capture_begin(pool)
             try:

@@ -58,6 +58,10 @@ POOL_MESSAGE = "Called CUDAGraph::pool() without a preceding successful capture.
 
 # Ops that need the host to wait for the device: illegal while a stream is capturing.
 _HOST_SYNC_OPS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default}
+# Ops that run through cuBLAS on CUDA: the first one on a (thread, stream) makes that stream's workspace
+# (SimBackend.library_workspace_for), in the capture's pool when it runs inside one.
+BLAS_OPS = frozenset({torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+                      torch.ops.aten.baddbmm.default, torch.ops.aten.mv.default, torch.ops.aten.addmv.default})
 
 
 class SimStream:
@@ -83,6 +87,21 @@ class SimStream:
 
     def __repr__(self) -> str:
         return f"SimStream(device={self.device}, id={self.id})"
+
+
+class EagerBlasWatch(TorchDispatchMode):
+    """Active in a ``backend.stream(s)`` block whose stream has no library workspace for this thread yet: the
+    first cuBLAS op there makes it, outside any capture, in the default pool (as an engine's warm-up on its
+    capture stream does on CUDA). Inside a capture, the capture's own mode made it in the pool first."""
+
+    def __init__(self, backend: SimBackend, stream: SimStream):
+        super().__init__()
+        self.backend, self.stream = backend, stream
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in BLAS_OPS:
+            self.backend.library_workspace_for(self.stream.device, self.stream.id, None)
+        return func(*args, **(kwargs or {}))
 
 
 class SimMemPool:
@@ -149,6 +168,8 @@ class _CaptureMode(TorchDispatchMode):
         if func in _HOST_SYNC_OPS:
             g._invalidated = True
             raise RuntimeError(CAPTURE_SYNC_MESSAGE)
+        if func in BLAS_OPS:
+            g._backend.library_workspace_for(g._device, g._stream, (g._device, g._pool))
         flat_in = leaves((args, kwargs))
         in_keys = {storage_key(t) for t in flat_in if isinstance(t, torch.Tensor)}
         out = func(*args, **kwargs)

@@ -237,3 +237,32 @@ def s_lazy_pool_fresh_after_retire(c: Ctx) -> str:
     lp.retire()
     p2 = lp.acquire(0)
     return f"new_id={p1 != p2} capture={attempt(lambda: c.step(c.be.new_graph(), p2))}"
+
+
+def _matmul_captured(c: Ctx, warm: bool) -> str:
+    """A matmul captured on a new stream into a fresh pool, the stream warmed up first or not; then every graph
+    reset, the output dropped, both caches flushed: is the pool still held, and does a capture into it assert?"""
+    x = c.tensor(N).view(64, 64)
+    x @ x  # the cuBLAS handle is made outside any capture (cublasCreate fails inside one: measured)
+    if warm:
+        with c.be.stream(c.stream):
+            x @ x
+    h = c.be.graph_pool_handle()
+    g = c.be.new_graph()
+    y = c.capture(g, h, lambda: x @ x)
+    g.reset()
+    del y
+    c.be.synchronize()
+    c.be.empty_cache()
+    c.be.host_empty_cache()
+    pinned = c.reserved(h) > 0
+    again = attempt(lambda: c.capture(c.be.new_graph(), h, lambda: x * 2))
+    return f"pinned={pinned} recapture={again}"
+
+
+def s_workspace_made_in_capture_pins_pool(c: Ctx) -> str:
+    return _matmul_captured(c, warm=False)  # the stream's cuBLAS workspace is made inside the capture
+
+
+def s_workspace_made_before_capture_pins_nothing(c: Ctx) -> str:
+    return _matmul_captured(c, warm=True)

@@ -48,6 +48,8 @@ from .scenarios_memory import (
     s_separate_pools_not_smaller,
     s_shared_pool_largest_first_smaller,
     s_small_outputs_share_one_segment,
+    s_workspace_made_before_capture_pins_nothing,
+    s_workspace_made_in_capture_pins_pool,
 )
 from .scenarios_pools import (
     s_capture_without_pool_mints_graph_id,
@@ -142,6 +144,10 @@ SCENARIOS: list[Scenario] = [
              "empty_cache: ok, stream alloc routed: False, routing was on: True, after ending: False, "
              "then empty_cache: ok"),
     Scenario("autograd_clone_pins_pool", s_autograd_clone_pins_pool, "2MiB->0MiB"),
+    Scenario("workspace_made_in_capture_pins_pool", s_workspace_made_in_capture_pins_pool,
+             "pinned=True recapture=assert"),
+    Scenario("workspace_made_before_capture_pins_nothing", s_workspace_made_before_capture_pins_nothing,
+             "pinned=False recapture=ok"),
     Scenario("no_grad_clone_does_not_pin", s_no_grad_clone_does_not_pin, "0MiB"),
     Scenario("runner_release_clean", s_runner_release_clean, "equal=True clean=True"),
     Scenario("runner_kept_output_pins", s_runner_kept_output_pins, "pinned=2MiB after-drop=0MiB"),

@@ -20,12 +20,12 @@ from ..sanitizer.pins import graph_holder
 from ..sizes import size_text
 from .caller import OUTPUT_MODES, caller_copy, caller_of
 from .engine import PROTOCOL, Engine, check_pool_ids
+from .held import check_held, final_held
 from .steps import (
     budget,
     build,
     capture,
     caught_stale,
-    check_held,
     exercise,
     failed,
     failed_capture,
@@ -59,14 +59,25 @@ def _judge_held(be: Backend, caller: Any, label: str, done: list) -> None:
         done.append(previous)
 
 
-# measured (run 24, H100): each engine that ran matmuls on a stream of its own left 33 MiB in live blocks
-STREAM_WORKSPACE_HINT = ("; an engine that makes its own stream leaves cuBLAS's workspace for that stream (33 MiB on an "
-                         "H100) until torch's pool of streams comes round to it again: make one stream for every "
-                         "engine, or call torch._C._cuda_clearCublasWorkspaces() after release once no graph is alive")
+def stream_workspace_hint(be: Backend) -> str:
+    """Why an engine's growth may be a library workspace: each stream it makes gets one of its own."""
+    size = be.workspace_bytes(0)
+    if not be.has_library_workspaces or not size:
+        return ""
+    return (f"; an engine that makes its own stream leaves cuBLAS's workspace for that stream ({size_text(size)} on "
+            "this device, measured) until torch's pool of streams comes round to it again: make one stream for "
+            "every engine, or call torch._C._cuda_clearCublasWorkspaces() after release once no graph is alive")
 
 
 def ends_here(rec: CycleRecord) -> bool:
     return ends_process(rec.poisoned, rec.verdict)
+
+
+def _last_records(be: Backend, caller: Any, rec: CycleRecord, done: list, since: int) -> list[dict[str, Any]]:
+    """This cycle ends its process (``ends_here``): the worker goes before the caller drops the previous
+    engine's output, so that engine's ``held`` is made final now from what this cycle saw (``final_held``)."""
+    previous = final_held(be, caller, rec, since)
+    return [r.as_dict() for r in done + ([previous] if previous is not None else [])] + [rec.as_dict()]
 
 
 def _located(e: ConfigError, step: str, label: str) -> ConfigError:
@@ -119,7 +130,6 @@ def run_cycle(
     done: list[CycleRecord] = []
     settle(be)
     default_before, kept_before = be.default_pool_reserved(0), be.default_pool_allocated(0)
-    remade_before = be.workspace_bytes_remade  # workspaces a pins analysis made again are the tool's
     since = ledger.seq
     engine = y = declared = None
     released_left: list = []  # graphs of this engine still captured right after its release()
@@ -136,7 +146,7 @@ def run_cycle(
         caught_stale(rec, be, since)
         failed_capture(rec, be, since)
         if ends_here(rec):
-            return [r.as_dict() for r in done] + [rec.as_dict()]
+            return _last_records(be, caller, rec, done, since)
         # The caller holds the previous output until this engine has captured: after capture(), or for an
         # engine that captures at its first run (lazily, per batch size), after its runs.
         lazy = engine is not None and not rec.failed and not ledger.captures_in(label)
@@ -166,7 +176,7 @@ def run_cycle(
             if released_left:  # who holds them now, before the engine goes (then nobody can tell)
                 released_holder = graph_holder(released_left)
     if ends_here(rec):
-        return [r.as_dict() for r in done] + [rec.as_dict()]
+        return _last_records(be, caller, rec, done, since)
     kept = y if output == "hold" else (None if y is None else caller_copy(y))
     runner = getattr(getattr(engine, "obj", None), "runner", None)
     graph_bytes = dict(runner.stats.graph_bytes) if hasattr(runner, "stats") else None
@@ -174,18 +184,17 @@ def run_cycle(
     settle(be)
     pools = judge(be, rec, kept, output == "hold", declared, released_left, released_holder)
     budget(rec, graph_bytes, max_pool_bytes, max_captures, require_replay)
-    remade = be.workspace_bytes_remade - remade_before
-    delta = be.default_pool_reserved(0) - default_before - remade
+    delta = be.default_pool_reserved(0) - default_before
     # growth is what the engine left behind; the default pool can also shrink over an engine, when memory held
     # from before it goes (library workspaces that torch._dynamo.reset() drops, an earlier engine's caches)
     rec.growth_bytes, rec.freed_earlier_bytes = max(0, delta), max(0, -delta)
     # what it kept in live blocks: a steady leak into segments that have room shows here, not in reserved bytes
-    rec.kept_bytes = max(0, be.default_pool_allocated(0) - kept_before - remade)
+    rec.kept_bytes = max(0, be.default_pool_allocated(0) - kept_before)
     if max_growth is not None and max(rec.growth_bytes, rec.kept_bytes) > max_growth:
         rec.add("growth_over_budget", f"the default pool grew by {size_text(rec.growth_bytes)} of segments and "
                                       f"{size_text(rec.kept_bytes)} of live blocks over this engine, above the "
                                       f"budget of {size_text(max_growth)} set by {max_growth_set_by}"
-                                      + (STREAM_WORKSPACE_HINT if be.name == "cuda" else ""),
+                                      + stream_workspace_hint(be),
                 max(rec.growth_bytes, rec.kept_bytes))
     # what the observation saw beyond the verdict, read from the ledger in every sanitizer mode alike (a capture
     # refused on the default stream whose error the engine caught, so it ran eagerly; a teardown under

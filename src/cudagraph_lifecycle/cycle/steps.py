@@ -40,7 +40,7 @@ from ..sanitizer.pins import Pin, beyond_output, describe, graph_holder, mempool
 from ..sanitizer.stale import pinned_text, side_stream_fix
 from ..sizes import size_text
 from ..trees import leaves
-from .caller import Caller, caller_copy
+from .caller import caller_copy
 from .engine import Engine
 
 ASSERT_MARKERS = (TORCH_POOL_ASSERT, "INTERNAL ASSERT FAILED")
@@ -328,33 +328,6 @@ def caught_stale(rec: CycleRecord, be: Backend, since: int) -> None:
             sites=[a.site, a.minted_site])
 
 
-def check_held(be: Backend, caller: Caller, current: set[Key]) -> CycleRecord | None:
-    """Drop the output the caller held from the previous engine, and judge that engine's pools now: bytes
-    still there are not the output's. Pools the current engine captured into are left out (they are
-    judged as reused)."""
-    rec = caller.held_record
-    if rec is None:
-        return None
-    pools = [k for k in caller.held_pools if k not in current]
-    caller.held = None
-    caller.held_record, caller.held_pools = None, []
-    settle(be)
-    left = sum(be.pool_state(k[2], k[1]).reserved_bytes for k in pools)
-    left -= min(left, rec.leaked_bytes)  # judged leaked already (the output pinned none of it)
-    if left:
-        rec.held_bytes = max(0, rec.held_bytes - left)
-        rec.leaked_bytes += left
-        pins = what_pins(be, pools)
-        why = "; ".join(([describe(pins)] if pins else []) + list(mempool_notes(pools).values())) or \
-            "something else pins them"
-        rec.add("leaked", f"once the caller dropped this engine's output, its pools "
-                          f"{[k[2] for k in pools]}{_captured_at(pools)} still held {size_text(left)}: " + why,
-                left, _stacks(be, pools), [p.as_dict() for p in pins], _pool_sites(pools))
-    else:
-        rec.settle_verdict()
-    return rec
-
-
 def _pool_sites(pools: list[Key]) -> list[str]:
     """Where the user's code captured into these pools (file:line in function), at most SITES of them."""
     sites: list[str] = []
@@ -432,20 +405,23 @@ def judge(be: Backend, rec: CycleRecord, output: Any, hold: bool, declared: list
     total = sum(left.values())
     pinned = [k for k, b in left.items() if b]
     held_output = total and hold and output is not None
-    # blocks the held output does not keep alive, and a holder of the user's named for them: pinned whatever
-    # the caller does, and the next engine may replace that holder before the output is dropped
+    # blocks the held output does not keep alive, and a holder named for them (the user's, or a library's
+    # workspace): pinned whatever the caller does, and the next engine may replace that holder (or capture
+    # into the pool and be stale, ending the worker) before the output is dropped
     stray = beyond_output(be, pinned, output) if held_output else []
-    others = [p for p in what_pins(be, pinned, {id(t): OUTPUT_HELD for t in leaves(output)}, clear_workspaces=False,
+    others = [p for p in what_pins(be, pinned, {id(t): OUTPUT_HELD for t in leaves(output)},
                                    only=stray, infer=False)
-              if p.cause in ("python_reference", "autograd_history") and OUTPUT_HELD not in p.holder] if stray else []
+              if p.cause in ("python_reference", "autograd_history", "library_workspace")
+              and OUTPUT_HELD not in p.holder] if stray else []
     if held_output and not others:
         rec.held_bytes = total  # judged again once the caller drops it (check_held)
-    elif held_output:
-        rec.leaked_bytes = total
+    elif held_output:  # leaked: what those holders pin; held: the rest, the output's (checked again later)
+        rec.leaked_bytes = min(total, sum(p.bytes for p in others))
+        rec.held_bytes = total - rec.leaked_bytes
         why = "; ".join([describe(others)] + list(mempool_notes(pinned).values()))
         rec.add("leaked", f"after release its pools {[k[2] for k in pinned]}{_captured_at(pinned)} still hold "
                           f"{size_text(total)}, and not only for the output the caller holds: " + why,
-                total, _stacks(be, list(keys)), [p.as_dict() for p in others], _pool_sites(pinned))
+                rec.leaked_bytes, _stacks(be, list(keys)), [p.as_dict() for p in others], _pool_sites(pinned))
     elif total:
         rec.leaked_bytes = total
         known = {id(t): "the copy of its output the caller keeps" for t in leaves(output)}

@@ -113,8 +113,8 @@ def collect(backend: Backend, since: int = 0, scope: str | None = None,
             if not stacks and e.sites:  # no allocation history: the first capture's stack, to the caller's line
                 stacks = (f"--- the pool's first capture began at ---\n{Stack(e.sites[0])}",)
             # a finding may be read in the middle of a sequence (a test's close): it names holders and changes
-            # nothing, so no library workspace is cleared to find one (a verdict does that, after its bytes)
-            pins = what_pins(backend, [e.key], clear_workspaces=False)
+            # nothing
+            pins = what_pins(backend, [e.key])
             out.append(Finding(
                 "pinned_pool", e.pool_id, e.device, st.reserved_bytes,
                 f"pool {e.pool_id}{where} was released but {size_text(st.reserved_bytes)} stay reserved: "

@@ -7,12 +7,14 @@ path. In order:
   object's attribute, a list, a local variable);
 * ``autograd_history``: a tensor saved for backward by an autograd graph that a live tensor still carries
   (a copy of an output captured with autograd on);
-* ``library_workspace``: a block that clearing the libraries' workspace caches frees (cuBLAS keeps one
-  workspace per stream; the first matmul on a stream inside a capture puts it in the graph's pool). Tried
-  only while no graph of the device is alive, since a live graph may replay into that workspace;
+* ``library_workspace``: a block the backend knows for a library's workspace (cuBLAS keeps one per stream;
+  the first matmul on a stream inside a capture puts it in the graph's pool): on CUDA a block no tensor holds
+  of the exact size this process's first matmuls on a new stream made, on ``sim`` the modeled workspace
+  itself. Read, never freed: clearing the caches to see what goes would erase the pool that the user's
+  process keeps dead, and the next verdict would be made on a process we healed;
 * ``autograd_history``, inferred: a kept tensor's autograd graph saved tensors that autograd will no longer
   hand back (modified in place since): what nothing else explains is put down to it;
-* ``unknown``: nothing above reaches it (a C++ extension's cache, a library workspace while graphs live).
+* ``unknown``: nothing above reaches it (a C++ extension's cache, a local variable of a running function).
 
 Holders are named by ``holders`` (the referrers from ``heap_index``); autograd graphs are walked by
 ``autograd_pins``.
@@ -44,16 +46,15 @@ FIXES = {
     "autograd_history": "capture (and run) under torch.no_grad() or torch.inference_mode(), or keep only "
                         ".detach()ed copies of outputs (grad mode is per thread: a capture in another thread, "
                         "such as an executor's, needs its own no_grad)",
-    "library_workspace": "cuBLAS keeps a workspace per thread's handle and stream (32 MiB on the H200), made by "
-                         "the first matmul there; one made inside a capture stays in its pool for good. Warm up "
+    "library_workspace": "cuBLAS keeps a workspace per thread's handle and stream, made by the first matmul "
+                         "there; one made inside a capture stays in its pool for good. Warm up "
                          "forward AND backward on the capture stream before the first capture (torch.cuda.graph "
                          "without stream= uses torch.cuda.graph.default_capture_stream; make_graphed_callables warms "
                          "up on a stream of its own, and backward runs on autograd's thread), or call "
                          "torch._C._cuda_clearCublasWorkspaces() after the release once no graph is alive",
     "unknown": "nothing the garbage collector sees reaches it: a local variable of a function still running "
-               "(the collector does not see those), a C++ cache or extension, or a library workspace while graphs "
-               "are alive; record allocation stacks (PoolSanitizer(record_history=True)) to see where it was "
-               "allocated",
+               "(the collector does not see those), or a C++ cache or extension; record allocation stacks "
+               "(PoolSanitizer(record_history=True)) to see where it was allocated",
 }
 
 
@@ -78,17 +79,17 @@ def describe(pins: list[Pin]) -> str:
 
 
 def what_pins(backend: Backend, keys: list[Key], known: dict[int, str] | None = None,
-              clear_workspaces: bool = True, only: list[tuple[int, int]] | None = None,
-              infer: bool = True) -> list[Pin]:
+              only: list[tuple[int, int]] | None = None, infer: bool = True) -> list[Pin]:
     """The holders of the live blocks of the pools ``keys`` (world, device, pool id), largest first. ``known``
-    names objects the caller knows (id -> words, e.g. the copy of an output a caller keeps). Without
-    ``clear_workspaces`` nothing of the allocator is touched (no library workspace is cleared to find one).
-    ``only``: the spans of the blocks to explain (the rest are left out). Without ``infer``, what nothing
-    names is ``unknown``, not put down to an autograd graph that saved tensors autograd no longer hands back."""
-    blocks = [(*b.span, b.size, k[1]) for k in keys for b in backend.live_blocks(k[2], k[1]) if b.span]
+    names objects the caller knows (id -> words, e.g. the copy of an output a caller keeps). Nothing of the
+    process is changed to find out (no cache cleared, nothing freed). ``only``: the spans of the blocks to
+    explain (the rest are left out). Without ``infer``, what nothing names is ``unknown``, not put down to an
+    autograd graph that saved tensors autograd no longer hands back."""
+    found = [(b, k[1]) for k in keys for b in backend.live_blocks(k[2], k[1]) if b.span]
     if only is not None:
         wanted = set(only)
-        blocks = [b for b in blocks if (b[0], b[1]) in wanted]
+        found = [(b, d) for b, d in found if b.span in wanted]
+    blocks = [(*b.span, b.size, d) for b, d in found]
     if not blocks:
         return []
     owner: dict[int, tuple[str, str]] = {}  # block index -> (cause, holder)
@@ -111,8 +112,12 @@ def what_pins(backend: Backend, keys: list[Key], known: dict[int, str] | None = 
             search_slot.search = None
     del tensors
     unseen = "a holder the garbage collector does not see"
-    if len(owner) < len(blocks) and clear_workspaces:
-        unseen += _workspaces(backend, keys, blocks, owner)
+    if len(owner) < len(blocks) and backend.has_library_workspaces:
+        for i, (b, device) in enumerate(found):
+            if i not in owner:
+                words = backend.library_workspace(b, device)
+                if words is not None:
+                    owner[i] = ("library_workspace", words)
     if blind is not None and infer:  # what is left is most likely what tensors that graph saved hold
         for i in range(len(blocks)):
             owner.setdefault(i, ("autograd_history", f"{blind} (inferred: tensors it saved were overwritten in "
@@ -202,21 +207,3 @@ def mempool_notes(keys: list[Key]) -> dict[Key, str]:
         out[k] = (f"pool {k[2]}'s MemPool object is alive, held as {holder}: while it lives the pool keeps its "
                   "segments reserved; drop it at release (or give each engine a MemPool of its own)")
     return out
-
-
-def _workspaces(backend: Backend, keys: list[Key], blocks: list[tuple], owner: dict) -> str:
-    """Clear the libraries' workspace caches, where no graph of the device is alive, and see what went. What
-    an unexplained block's holder adds: why no workspace was looked for, where one could have been."""
-    devices = {d for _, _, _, d in blocks}
-    live = [g for g in ledger.live_graphs(backend.world) if g.device in devices]
-    if live:
-        return (f" (not looked for as a library workspace: {len(live)} graph{'s' * (len(live) != 1)} of the "
-                "device alive, which may replay into one)") if backend.has_library_workspaces else ""
-    if not backend.clear_library_workspaces():
-        return ""
-    left = {(b.address, b.size) for k in keys for b in backend.live_blocks(k[2], k[1])}
-    for i, (lo, _, size, _) in enumerate(blocks):
-        if i not in owner and (lo, size) not in left:
-            owner[i] = ("library_workspace", "a cuBLAS workspace created inside a capture (the caches were "
-                                             "cleared to find it: freed now, and made again outside any capture)")
-    return ""

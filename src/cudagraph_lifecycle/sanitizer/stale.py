@@ -72,7 +72,7 @@ def explain(backend: Backend, key: tuple) -> tuple[int, tuple]:
     if not st.allocated_bytes:
         return st.reserved_bytes, ()
     try:
-        pins = what_pins(backend, [key], clear_workspaces=False)
+        pins = what_pins(backend, [key])
     except Exception:  # naming the holder must never replace the error it explains
         pins = []
     return st.reserved_bytes, tuple(p.as_dict() for p in pins)
