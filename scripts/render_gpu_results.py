@@ -18,7 +18,6 @@ import sys
 
 from cudagraph_lifecycle.conformance import run_table
 
-
 SHADOWED: set[str] = set()  # result files a newer folder already rendered
 
 
