@@ -1,7 +1,7 @@
 """The ``cudagraph`` pytest plugin: options, markers, GPU gating, terminal sections and the JSON report.
 
 Thin by design: settings in ``settings.py``, fixtures in ``fixtures.py`` (engine sequences in
-``sequence.py``), workers in ``worker.py`` and ``mpi.py``, the report in ``report.py`` and ``terminal.py``,
+``sequence.py``), workers in ``worker/`` and ``mpi.py``, the report in ``report.py`` and ``terminal.py``,
 the lifecycle logic in the ``cudagraph_lifecycle`` library. Loading the plugin imports no torch: a session
 whose tests use none of it pays nothing.
 """

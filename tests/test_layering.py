@@ -1,6 +1,7 @@
 """The layering the architecture promises (docs/ARCHITECTURE.md): the map's floors (every module on it, every
-file it names there, each floor importing only from the floors below), no import cycles (benches included),
-the library never imports pytest, and the plugin imports torch only when something uses it."""
+file it names there, each floor importing only from the floors below), no import cycles (benches included), no
+two modules importing each other in any way (in a function, under ``if TYPE_CHECKING``), the library never
+imports pytest, and the plugin imports torch only when something uses it."""
 
 import ast
 import os
@@ -14,29 +15,30 @@ PACKAGES = {"cudagraph_lifecycle": ROOT / "src" / "cudagraph_lifecycle", "pytest
             "bench": ROOT / "bench"}  # (the benches too: none may import another that imports it back)
 
 
-def _module_name(pkg: str, path: Path) -> str:
-    rel = path.relative_to(PACKAGES[pkg]).with_suffix("")
+def _module_name(pkg: str, path: Path, packages: dict[str, Path] = PACKAGES) -> str:
+    rel = path.relative_to(packages[pkg]).with_suffix("")
     parts = [pkg, *rel.parts]
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports() -> dict[str, set[str]]:
-    """Every module of both packages -> the modules of both packages it imports (at any depth of the code,
-    except under ``if TYPE_CHECKING``)."""
+def _imports(type_checking: bool = False, packages: dict[str, Path] = PACKAGES) -> dict[str, set[str]]:
+    """Every module of the packages -> the modules of the packages it imports (at any depth of the code; under
+    ``if TYPE_CHECKING`` only where ``type_checking``)."""
     modules, compiled = {}, set()
-    for pkg, folder in PACKAGES.items():
+    for pkg, folder in packages.items():
         for path in folder.rglob("*.py"):
-            modules[_module_name(pkg, path)] = path
-        compiled |= {_module_name(pkg, path) for path in folder.rglob("*.c")}  # extension modules import nothing
+            modules[_module_name(pkg, path, packages)] = path
+        compiled |= {_module_name(pkg, path, packages) for path in folder.rglob("*.c")}  # (importing nothing)
     graph = {}
     for name, path in modules.items():
         is_pkg = path.name == "__init__.py"
         tree = ast.parse(path.read_text())
-        type_checking = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
-                         and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
+        for_checkers = set() if type_checking else {
+            id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+            and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
         deps = set()
         for node in ast.walk(tree):
-            if id(node) in type_checking:
+            if id(node) in for_checkers:
                 continue
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
@@ -86,6 +88,29 @@ def test_the_cycle_test_sees_a_planted_cycle(monkeypatch):
         assert "cudagraph_lifecycle.errors" in str(e)
     else:
         raise AssertionError("a planted cycle was not found")
+
+
+def _mutual_imports(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{a} and {b} import each other"
+                  for a in graph for b in graph[a] if a < b and a in graph.get(b, ()))
+
+
+def test_no_two_modules_import_each_other():
+    """Not in a function, not under ``if TYPE_CHECKING`` either: of two modules that need each other, what
+    both need goes to one of them (or a module both import), so that the dependency runs one way."""
+    assert not _mutual_imports(_imports(type_checking=True))
+
+
+def test_the_mutual_import_test_sees_a_planted_pair(tmp_path):
+    pkg = tmp_path / "planted"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("def f():\n    from . import b\n\n    return b\n")  # in a function
+    (pkg / "b.py").write_text("from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from .a import f\n")
+    (pkg / "c.py").write_text("import planted.a\n")  # one way: no pair
+    graph = _imports(type_checking=True, packages={"planted": pkg})
+    assert _mutual_imports(graph) == ["planted.a and planted.b import each other"]
+    assert _imports(packages={"planted": pkg})["planted.b"] == set()  # the cycle test leaves TYPE_CHECKING out
 
 
 MAP_EXCEPTIONS = {("cudagraph_lifecycle.sanitizer", "cudagraph_lifecycle.checks.mode")}  # named in the map's text

@@ -12,8 +12,8 @@ import pytest
 from test_faults_worker import gone, nap
 
 import pytest_cudagraph.worker as worker_module
-import pytest_cudagraph.worker_process as process_module
-import pytest_cudagraph.worker_protocol as protocol_module
+import pytest_cudagraph.worker.process as process_module
+import pytest_cudagraph.worker.protocol as protocol_module
 from pytest_cudagraph.worker import (
     RemoteError,
     ReusedWorker,

@@ -24,7 +24,7 @@ import itertools
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -39,10 +39,7 @@ except ImportError as e:  # pragma: no cover - older or stripped torch builds
 
 from ..trees import leaves, map_leaves
 from .base import PoolId
-from .sim_allocator import storage_key
-
-if TYPE_CHECKING:
-    from .sim import SimBackend
+from .sim_allocator import SimAllocator, storage_key
 
 POISON_MESSAGE = "Offset increment outside graph capture encountered unexpectedly."
 CAPTURE_SYNC_MESSAGE = "CUDA error: operation not permitted when stream is capturing (simulated)"
@@ -64,12 +61,41 @@ BLAS_OPS = frozenset({torch.ops.aten.mm.default, torch.ops.aten.addmm.default, t
                       torch.ops.aten.baddbmm.default, torch.ops.aten.mv.default, torch.ops.aten.addmv.default})
 
 
+class SimWorld(Protocol):
+    """What the objects here use of the simulated world they belong to: a ``SimBackend`` (sim.py, which
+    imports this module; they are handed their world, and this module imports nothing of it)."""
+
+    _alloc: SimAllocator
+    _capturing: SimGraph | None
+    _routing_open: set[tuple[int, PoolId]]
+    poisoned: str | None
+
+    @property
+    def _current_stream(self) -> SimStream: ...
+
+    def _collect_now(self) -> None: ...
+
+    def _next_user_pool_id(self) -> PoolId: ...
+
+    def _next_graph_pool_id(self) -> PoolId: ...
+
+    def _incref_pool(self, pool_id: PoolId, device: int) -> None: ...
+
+    def _decref_pool(self, pool_id: PoolId, device: int) -> None: ...
+
+    def _incref_host_pool(self, pool_id: PoolId) -> None: ...
+
+    def _decref_host_pool(self, pool_id: PoolId) -> None: ...
+
+    def library_workspace_for(self, device: int, stream: int, into: tuple[int, PoolId] | None) -> None: ...
+
+
 class SimStream:
     """A stream on a simulated device. Only its identity matters: captures need a non-default one."""
 
     _ids = itertools.count(1)
 
-    def __init__(self, device: int, default: bool = False, backend: SimBackend | None = None):
+    def __init__(self, device: int, default: bool = False, backend: SimWorld | None = None):
         self.device = device
         self.default = default
         self.id = 0 if default else next(self._ids)
@@ -94,7 +120,7 @@ class EagerBlasWatch(TorchDispatchMode):
     first cuBLAS op there makes it, outside any capture, in the default pool (as an engine's warm-up on its
     capture stream does on CUDA). Inside a capture, the capture's own mode made it in the pool first."""
 
-    def __init__(self, backend: SimBackend, stream: SimStream):
+    def __init__(self, backend: SimWorld, stream: SimStream):
         super().__init__()
         self.backend, self.stream = backend, stream
 
@@ -107,7 +133,7 @@ class EagerBlasWatch(TorchDispatchMode):
 class SimMemPool:
     """``torch.cuda.MemPool`` on the simulated allocator: the object holds one reference to its pool."""
 
-    def __init__(self, backend: SimBackend, device: int):
+    def __init__(self, backend: SimWorld, device: int):
         self._backend = backend
         self.device = device
         self.id = backend._next_user_pool_id()
@@ -203,7 +229,7 @@ class _CaptureMode(TorchDispatchMode):
 class SimGraph:
     """``torch.cuda.CUDAGraph`` on the simulated allocator."""
 
-    def __init__(self, backend: SimBackend):
+    def __init__(self, backend: SimWorld):
         self._backend = backend
         self._pool: PoolId | None = None
         self._device: int | None = None

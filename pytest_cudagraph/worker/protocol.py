@@ -23,7 +23,7 @@ from typing import Any
 
 from cudagraph_lifecycle.errors import TORCH_DEFAULT_STREAM_REFUSAL, TORCH_RANDOM_POISONED
 
-from . import by_value
+from .. import by_value
 
 # A wait for a reply checks this often that the child lives (and a deadline, if any).
 LIVENESS_S = 0.5

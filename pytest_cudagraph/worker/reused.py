@@ -1,14 +1,15 @@
 """The reused worker: a long-lived child process that runs callables in order and keeps its state between
 calls, as a reused MPI rank does. Crashes and timeouts come back as reports; the worker is then replaced.
 
-:class:`ReusedWorker` is the face; its jobs live beside it: ``worker_process`` (start method, starting and
-ending a child and what it started), ``worker_protocol`` (calls, replies, the wait), ``worker_crash`` (a
-crashed or hung child as a report) and ``worker_child`` (the child's side). The names the plugin, its tests
-and its users import from here stay importable from here.
+:class:`ReusedWorker` is the face; its jobs live beside it in this package: ``process`` (start method,
+starting and ending a child and what it started), ``protocol`` (calls, replies, the wait), ``crash`` (a
+crashed or hung child as a report) and ``child`` (the child's side). The names the plugin, its tests and its
+users import are exported by the package (``pytest_cudagraph.worker``).
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import pickle
 import threading
@@ -17,78 +18,19 @@ from typing import Any
 
 from cudagraph_lifecycle.choices import SANITIZE_ENV_OFF
 
-from .worker_child import attribute_to, freeze_startup_heap, ledger_seq, poisoned_since, program_findings
-from .worker_crash import (
-    HAZARD_VAR,
-    WorkerCrashed,
-    WorkerTimeout,
-    cause_lines,
-    crash_frames,
-    crash_report,
-    describe_hazards,
-    hang_frames,
-    read_hazards,
-    read_stderr,
-    tail_of,
-    timeout_report,
-)
-from .worker_process import (
-    START_METHODS,
-    TAG_VAR,
+from .child import program_findings
+from .crash import cause_lines, crash_report, read_stderr, tail_of, timeout_report
+from .process import (
     Child,
     _descendants,
     _end_child,
     _end_dropped,
     _kill_session,
-    _live,
     _made_at,
-    close_all_workers,
-    cuda_initialized,
     resolve_start_method,
     start_child,
 )
-from .worker_protocol import (
-    HIDE_WORKER_ERRORS,
-    Channel,
-    NoReply,
-    RemoteError,
-    UnpicklableCallableError,
-    WorkerError,
-    current_test,
-    dumps,
-    dumps_call,
-    poisons,
-)
-
-__all__ = [
-    "HAZARD_VAR",
-    "HIDE_WORKER_ERRORS",
-    "START_METHODS",
-    "TAG_VAR",
-    "RemoteError",
-    "ReusedWorker",
-    "UnpicklableCallableError",
-    "WorkerCrashed",
-    "WorkerError",
-    "WorkerTimeout",
-    "attribute_to",
-    "close_all_workers",
-    "crash_frames",
-    "cuda_initialized",
-    "current_test",
-    "describe_hazards",
-    "dumps",
-    "dumps_call",
-    "finding_key",
-    "freeze_startup_heap",
-    "hang_frames",
-    "ledger_seq",
-    "poisoned_since",
-    "poisons",
-    "program_findings",
-    "read_hazards",
-    "resolve_start_method",
-]
+from .protocol import HIDE_WORKER_ERRORS, Channel, NoReply, RemoteError, WorkerError, dumps_call
 
 # close() waits this long for a call running in another thread before it kills the child anyway, and this
 # long for an idle child to leave on its own.
@@ -119,6 +61,7 @@ class ReusedWorker:
     The start method is decided at every start from ``requested_method`` and this process's CUDA state then;
     ``start_method`` and ``reason`` say what the current child used (before the first start: what it would).
     """
+    __module__ = "pytest_cudagraph.worker"  # named as it is imported, as the errors are
 
     def __init__(
         self,
@@ -351,3 +294,15 @@ class ReusedWorker:
 
     def __repr__(self) -> str:
         return f"ReusedWorker(name={self.name!r}, method={self.start_method!r}, pid={self.pid}, calls={self.calls})"
+
+
+# Every worker that may have a child: close_all_workers ends them at the session's exit.
+_live: weakref.WeakSet[ReusedWorker] = weakref.WeakSet()
+
+
+def close_all_workers() -> None:
+    for w in list(_live):
+        w.close()
+
+
+atexit.register(close_all_workers)

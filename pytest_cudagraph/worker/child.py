@@ -13,7 +13,7 @@ import signal
 import sys
 import traceback
 
-from .worker_protocol import _Reader, _send_message, dumps
+from .protocol import _Reader, _send_message, dumps
 
 _PARENT_PID = os.getpid()
 
@@ -44,7 +44,7 @@ def _child_main(conn, stderr_path: str, sys_path: list[str], env: dict[str, str]
     # Its own session (and process group): no terminal signal reaches it, and ending the worker kills
     # everything it started.
     os.setsid()
-    # SIGINT was blocked across the start (worker_process.start_child): one that came meanwhile was the
+    # SIGINT was blocked across the start (process.start_child): one that came meanwhile was the
     # session's Ctrl-C, meant for pytest. Drop it (ignoring discards a pending signal), then restore the usual
     # handler.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -103,7 +103,7 @@ def _child_main(conn, stderr_path: str, sys_path: list[str], env: dict[str, str]
 
 
 def _run_call(fn, args, kwargs):
-    # A frame of its own: a hung worker's stack then shows whether the call had begun (worker_crash reads it).
+    # A frame of its own: a hung worker's stack then shows whether the call had begun (crash.py reads it).
     return fn(*args, **kwargs)
 
 

@@ -14,7 +14,6 @@ caught: a double-forked daemon that never execs, once the child has crashed.
 
 from __future__ import annotations
 
-import atexit
 import itertools
 import multiprocessing as mp
 import os
@@ -25,16 +24,12 @@ import threading
 import warnings
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from cudagraph_lifecycle.ledger import is_user_file
 
-from .worker_child import _child_main
-from .worker_crash import HAZARD_VAR, hazard_path
-from .worker_protocol import main_callables
-
-if TYPE_CHECKING:
-    from .worker import ReusedWorker
+from .child import _child_main
+from .crash import HAZARD_VAR, hazard_path
+from .protocol import main_callables
 
 START_METHODS = ("auto", "fork", "spawn", "forkserver")
 TAG_VAR = "CUDAGRAPH_WORKER_TAG"  # in a child's environment, inherited by everything it starts
@@ -273,13 +268,3 @@ def _made_at() -> tuple[str, int] | None:
         f = f.f_back
     return None if f is None else (f.f_code.co_filename, f.f_lineno)
 
-
-_live: weakref.WeakSet[ReusedWorker] = weakref.WeakSet()
-
-
-def close_all_workers() -> None:
-    for w in list(_live):
-        w.close()
-
-
-atexit.register(close_all_workers)

@@ -13,7 +13,7 @@ import time
 
 from cudagraph_lifecycle.sizes import size_text
 
-from .worker_protocol import POISON_MARKERS, WorkerError
+from .protocol import POISON_MARKERS, WorkerError
 
 HAZARD_VAR = "CUDAGRAPH_HAZARD_FILE"  # where the child's ledger writes teardown hazards as they happen
 
@@ -57,6 +57,8 @@ def cause_lines(text: str, limit: int = 8) -> list[str]:
     return [ln.rstrip() for ln in text.splitlines() if _CAUSE.search(ln)][-limit:]
 
 
+# the file of the worker's loop (child.py, beside this one), as a dumped frame names it
+_CHILD_FILE = os.sep + os.path.join("worker", "child.py")
 _DUMPED_FRAME = re.compile(r'^\s+File "(.+)", line \d+ in ')  # a frame as faulthandler dumps it
 
 
@@ -98,12 +100,12 @@ def call_began(frames: list[str]) -> bool | None:
     loop's frame is not in it (an MPI rank, a dump that did not come)."""
     if not frames or not _is_loop_frame(frames[-1]):
         return None
-    return any(f.rstrip().endswith(" in _run_call") and "worker_child.py" in f for f in frames)
+    return any(f.rstrip().endswith(" in _run_call") and _CHILD_FILE in f for f in frames)
 
 
 def _is_loop_frame(line: str) -> bool:
     # the worker's loop: every frame below it was there before the worker ran its first call
-    return line.rstrip().endswith(" in _child_main") and "worker_child.py" in line
+    return line.rstrip().endswith(" in _child_main") and _CHILD_FILE in line
 
 
 _FRAME = re.compile(r'^\s*File "(?P<file>.*)", line (?P<line>\d+) in (?P<func>.*)$')
