@@ -23,16 +23,19 @@ def _last(records: list[dict]) -> dict[int, dict]:
 
 
 def _sequence(engine, n: int, output: str = "hold") -> dict[int, dict]:
+    """Runs in a worker (a cycle observes its process for good): ``n`` engines, their final records."""
     KeptHandleEngine.pool = None
+    _RELEASE.clear()
     be = SimBackend()  # an allocator world of its own: no sanitizer, so the allocator's assert is simulated
     try:
         return _last([r for i in range(n) for r in run_cycle(engine, be, i, test="t", output=output)])
     finally:
         KeptHandleEngine.pool = None
+        _RELEASE.set()
 
 
-def test_a_held_output_alone_pinning_the_pool_the_next_engine_hit_keeps_the_verdict_held():
-    recs = _sequence(KeptHandleEngine, 2)
+def test_a_held_output_alone_pinning_the_pool_the_next_engine_hit_keeps_the_verdict_held(cudagraph_worker):
+    recs = cudagraph_worker.call(_sequence, KeptHandleEngine, 2)
     assert [recs[0]["verdict"], recs[1]["verdict"]] == ["held", "stale"] and recs[1]["poisoned"], recs
     assert {p["kind"] for p in recs[0]["problems"]} == set(), recs[0]["problems"]  # confirmed by the pins
 
@@ -59,12 +62,8 @@ def _keep(box: list, started: threading.Event) -> None:
     del t
 
 
-def test_a_pin_beyond_the_held_output_seen_as_the_next_engine_captures_makes_the_held_engine_leaked():
-    _RELEASE.clear()
-    try:
-        recs = _sequence(HiddenBlockEngine, 2)
-    finally:
-        _RELEASE.set()
+def test_a_pin_beyond_the_held_output_seen_as_the_next_engine_captures_makes_the_held_engine_leaked(cudagraph_worker):
+    recs = cudagraph_worker.call(_sequence, HiddenBlockEngine, 2)
     first, second = recs[0], recs[1]
     assert second["verdict"] == "stale", second["problems"]
     assert first["verdict"] == "leaked" and first["leaked_bytes"] > 0, first
@@ -95,13 +94,21 @@ class HostSyncEngine(FreshPoolEngine):
 
 def _mixed(be):
     """Engine 0 well behaved (its output held), engine 1 poisons the process."""
-    _mixed.n += 1
-    return FreshPoolEngine(be) if _mixed.n == 1 else HostSyncEngine(be)
+    _MIXED.append(be)
+    return FreshPoolEngine(be) if len(_MIXED) == 1 else HostSyncEngine(be)
 
 
-def test_a_held_verdict_the_next_engine_ends_the_worker_before_checking_says_unconfirmed():
-    _mixed.n = 0
-    recs = _sequence(_mixed, 2)
+_MIXED: list = []
+
+
+def _mixed_sequence() -> dict[int, dict]:
+    _MIXED.clear()
+    return _sequence(_mixed, 2)
+
+
+def test_a_held_verdict_the_next_engine_ends_the_worker_before_checking_says_unconfirmed(cudagraph_worker):
+    recs = cudagraph_worker.call(_mixed_sequence)
+    cudagraph_worker.restart_before_next_call()
     assert recs[1]["poisoned"] and recs[1]["verdict"] == "error", recs[1]
     first = recs[0]
     assert first["verdict"] == "held" and not first["failed"], first
