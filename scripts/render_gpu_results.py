@@ -70,7 +70,8 @@ def render(folder: str, title: str) -> None:
             print(f"| {r['scenario']} | {r['outcome']} | {s} | {'yes' if s == r['outcome'] else '**NO**'} |")
     br = load(folder, "bench-runner.json")
     benches = ("bench-runner.json", "bench-wrapper-cost.json", "bench-worker.json", "bench-mpi.json", "bench-soak.json",
-               "bench-sanitizer-memory.json", "bench-plugin-import.json", "probe-capture-path.json")
+               "bench-sanitizer-memory.json", "bench-plugin-import.json", "probe-capture-path.json",
+               "bench-checked-llm.json")
     if any(load(folder, name) for name in benches):
         print("\n## Benchmarks (one run, side by side)\n")
         print("| figure | measured | target |\n|---|---|---|")
@@ -231,6 +232,14 @@ def render(folder: str, title: str) -> None:
                   f"per live graph; per erased pool's record (at most {sm['erased_records_bound']}); growth over the "
                   f"last round | {sm['bytes_per_live_graph']:.0f} B; {sm['bytes_per_erased_pool_record']:.0f} B; "
                   f"{sm['growth_last_round']:+d} B ({last['bytes_after_destroyed']} B held after each round) | no growth |")
+    llm = load(folder, "bench-checked-llm.json")
+    if llm:
+        print(f"| checked mode on an LLM decode step ({llm['model']}; batch {llm['batch']} on the batch-"
+              f"{llm['graph_batch']} graph, int64 token ids): step; capture set (/ unchecked, median of "
+              f"{llm['rounds']} rounds) | {llm['step_ratio_checked']:.2f} ({llm['step_us_checked']:.0f} vs "
+              f"{llm['step_us_unchecked']:.0f} µs); {llm['capture_ratio_checked']:.2f} ({llm['capture_ms_checked']:.1f} "
+              f"vs {llm['capture_ms_unchecked']:.1f} ms); outputs differ by {llm['max_abs_diff_checked_vs_unchecked']:g} "
+              "| may cost more; output unchanged |")
     pi = load(folder, "bench-plugin-import.json")
     if pi:
         print(f"| plugin auto-loaded / -p no:cudagraph, one-test session CPU time | {pi['cpu_ratio']:.2f} "
