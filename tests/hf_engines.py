@@ -5,7 +5,7 @@ ways inference code does it today. Test material for ``test_real_model.py``.
 What makes them awkward, as real engines are: token-id inputs (int64) that an embedding indexes with; a
 static KV cache per batch size, prefilled eagerly and written in place by every step (transformers 5 also
 counts the cache's length on the device, in place, each step: a step is not idempotent, so ``run`` and ``eager``
-rewind it first); the model library's own attention and matmuls (cuBLAS workspaces on whatever stream runs
+rewind it first; transformers 5.17 to 5.39, the ``hf`` extra's range); the model library's own attention and matmuls (cuBLAS workspaces on whatever stream runs
 them); weights and caches in the default pool; no engine tells its pools.
 
 Styles (``STYLES``):
@@ -47,7 +47,7 @@ def missing() -> str | None:
         import transformers
         from transformers import LlamaConfig, LlamaForCausalLM, StaticCache  # noqa: F401
     except ImportError as e:
-        return f"transformers is not installed ({e}): pip install -e '.[hf]'"
+        return f"transformers is not installed ({e}): pip install -e '.[hf]' (transformers 5.17 to 5.39)"
     return None if hasattr(transformers, "__version__") else "transformers without a version"
 
 
@@ -65,13 +65,10 @@ def _config():
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
 
 
-def _static_cache(cfg: Any, bs: int, device: torch.device, dtype: torch.dtype) -> Any:
+def _static_cache(cfg: Any) -> Any:
     from transformers import StaticCache
 
-    params = inspect.signature(StaticCache.__init__).parameters
-    if "max_batch_size" in params:  # transformers 4.x: the tensors are made now
-        return StaticCache(config=cfg, max_batch_size=bs, max_cache_len=MAX_CACHE, device=device, dtype=dtype)
-    return StaticCache(config=cfg, max_cache_len=MAX_CACHE)  # 5.x: made at the first update (the prefill)
+    return StaticCache(config=cfg, max_cache_len=MAX_CACHE)  # its tensors are made at the first update (the prefill)
 
 
 class _Decoder:
@@ -92,7 +89,7 @@ class _Decoder:
         torch.random.set_rng_state(cpu_rng)
         self.model = model.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
         forward = inspect.signature(self.model.forward).parameters
-        self._cache_kw = "cache" if "cache" in forward else "past_key_values"  # transformers 5 renamed it
+        self._cache_kw = "cache" if "cache" in forward else "past_key_values"  # renamed in transformers 5.2x
         gen = torch.Generator().manual_seed(seed + 1)
         prompt = torch.randint(0, VOCAB, (max(BATCH_SIZES), PROMPT), generator=gen).to(self.device)
         self.ids = torch.zeros(max(BATCH_SIZES), 1, dtype=torch.long, device=self.device)  # the static input
@@ -100,14 +97,14 @@ class _Decoder:
         self.caches: dict[int, Any] = {}
         with torch.no_grad():
             for bs in BATCH_SIZES:
-                cache = _static_cache(cfg, bs, self.device, self.dtype)
+                cache = _static_cache(cfg)
                 self.model(input_ids=prompt[:bs], cache_position=torch.arange(PROMPT, device=self.device),
                            use_cache=True, **{self._cache_kw: cache})
                 self.caches[bs] = cache
 
     def rewind(self, bs: int) -> None:
         """Back to position ``PROMPT``: transformers 5's static cache counts its length on the device and
-        each step adds one in place (4.x reads ``cache_position`` alone)."""
+        each step adds one in place."""
         for layer in getattr(self.caches[bs], "layers", ()):
             n = getattr(layer, "cumulative_length", None)
             if isinstance(n, torch.Tensor):
