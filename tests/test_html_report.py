@@ -7,25 +7,11 @@ import json
 import re
 
 import pytest
+from test_plugin import ENGINES as BASE_ENGINES
 
 from pytest_cudagraph import picture
 
-ENGINES = '''
-import torch
-from cudagraph_lifecycle import CUDAGraphRunner
-
-class Engine:
-    def __init__(self, backend):
-        self.runner = CUDAGraphRunner(lambda x: torch.relu(x * 2), [1, 2, 4], (8,), backend=backend)
-        self.dev = backend.torch_device(0)
-    def capture(self): self.runner.capture()
-    def run(self, x): return self.runner.run(x)
-    def eager(self, x): return torch.relu(x * 2)
-    def example_input(self): return torch.randn(3, 8, device=self.dev)
-    def release(self): self.runner.release()
-
-def good(backend): return Engine(backend)
-
+ENGINES = BASE_ENGINES + '''
 class Leaky(Engine):
     kept = []
     def release(self):
