@@ -11,15 +11,7 @@ from test_plugin import ENGINES as BASE_ENGINES
 
 from pytest_cudagraph import picture
 
-ENGINES = BASE_ENGINES + '''
-class Leaky(Engine):
-    kept = []
-    def release(self):
-        Leaky.kept.append(self.runner.run(self.example_input()))  # keeps a view of the pool
-        self.runner.release()
-
-def leaky(backend): return Leaky(backend)
-'''
+ENGINES = BASE_ENGINES  # test_plugin's engines: good, leaky, and the ones that crash or hang
 
 TESTS = '''
 from engines_mod import good, leaky
