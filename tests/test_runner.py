@@ -68,8 +68,10 @@ def test_warmup_runs_before_capture():
 
 def test_extra_keys():
     r = make(extra_keys=[{"scale": 1.0}, {"scale": 2.0}])
-    x = torch.randn(3, 32)
-    assert torch.allclose(r.run(x, scale=2.0), mlp()(x, scale=2.0), atol=1e-6)
+    x = torch.randn(3, 32, generator=torch.Generator().manual_seed(0))
+    # batch 3 runs padded to 4: BLAS may sum in another order for 4 rows than for 3, and scale 2 triples the
+    # magnitude over three layers, so float32's rounding differences reach a few 1e-6
+    torch.testing.assert_close(r.run(x, scale=2.0), mlp()(x, scale=2.0), atol=1e-5, rtol=1e-5)
     assert len(r.keys) == 8
     r.run(x, scale=3.0)
     assert r.stats.fallbacks == {"key_not_captured": 1}

@@ -77,11 +77,19 @@ def _save(writes: list | None) -> list[tuple[Any, Any]]:
     return saved
 
 
-def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+def _shared(outs: list[torch.Tensor], static_in: torch.Tensor) -> list[bool]:
+    """Per output: does it share the input's storage (read by the graph, so no sentinel goes there)."""
     try:
-        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+        ptr = static_in.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):  # a subclass without storage: assume shared, poison nothing
-        return True
+        return [True] * len(outs)
+    shared = []
+    for t in outs:
+        try:
+            shared.append(t.untyped_storage().data_ptr() == ptr)
+        except (RuntimeError, NotImplementedError):
+            shared.append(True)
+    return shared
 
 
 def _unwritten(t: torch.Tensor, b: int) -> torch.Tensor | None:
@@ -114,13 +122,14 @@ def checked_replay(graph: Any, static_in: torch.Tensor, b: int, bs: int, outputs
         poisoned = None
     if b < bs:
         static_in[b:bs].fill_(pad_value)
-    for t in outs:
+    shared = _shared(outs, static_in)
+    for t, sh in zip(outs, shared):
         s = sentinel(t.dtype)
         # an output that shares the input's storage is read by the graph: a sentinel there would be input
-        if s is not None and not _shares_storage(t, static_in):
+        if s is not None and not sh:
             t.fill_(s)
     graph.replay()
-    unwritten = [None if _shares_storage(t, static_in) else _unwritten(t, b) for t in outs]
+    unwritten = [None if sh else _unwritten(t, b) for t, sh in zip(outs, shared)]
     same = [torch.isclose(a, t[:b]).all() if a.dtype.is_floating_point else (a == t[:b]).all()
             for a, t in zip(poisoned or [], outs)]
     flags = [u for u in unwritten if u is not None] + [x.reshape(1) for x in same]
