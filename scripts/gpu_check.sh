@@ -119,10 +119,17 @@ beside "conformance on cuda" python3 -m cudagraph_lifecycle.conformance --backen
   --json "$R/conformance-cuda.json"
 beside "GPU tests" $PT -q -rP tests/test_gpu.py
 if [ -f .ptests/test_pytorch_graphs.py ]; then
-  # PyTorch's own TestCuda.test_graph* (extracted from pytorch/pytorch test/test_cuda.py, carried, not committed;
-  # see docs/gpu-results/RESULTS.md), under a session-wide sanitizer; Stream.is_capturing is newer than torch 2.11
-  beside "PyTorch's graph tests under CUDAGRAPH_SANITIZE=1" env CUDAGRAPH_SANITIZE=1 $PT .ptests/test_pytorch_graphs.py \
-    -q -k "not test_graph_is_current_stream_capturing" --cudagraph-report="$R/pytorch-graph-tests.json"
+  # PyTorch's own TestCuda graph tests (extracted from pytorch/pytorch test/test_cuda.py, carried, not committed;
+  # see docs/gpu-results/RESULTS.md), once plain (no plugin) and once under a session-wide sanitizer; the
+  # comparison after the join judges them: a test written for a newer torch fails in both runs alike, and
+  # only an outcome the sanitizer changed fails the check. (pytest's status 1, tests failed, is left to the
+  # comparison; 2 and up, a collection or usage error, fails the step.) Stream.is_capturing is newer than 2.11.
+  PTK="not test_graph_is_current_stream_capturing"
+  beside "PyTorch's graph tests, plain (no plugin)" sh -c 'python3 -m pytest -p no:cudagraph -p no:cacheprovider \
+    .ptests/test_pytorch_graphs.py -q -k "$1" --junitxml="$2"; [ $? -le 1 ]' - "$PTK" "$R/pytorch-graph-tests-plain.xml"
+  beside "PyTorch's graph tests under CUDAGRAPH_SANITIZE=1" sh -c 'CUDAGRAPH_SANITIZE=1 $0 .ptests/test_pytorch_graphs.py \
+    -q -k "$1" --junitxml="$2" --cudagraph-report="$3"; [ $? -le 1 ]' "$PT" "$PTK" "$R/pytorch-graph-tests-sanitized.xml" \
+    "$R/pytorch-graph-tests.json"
 fi
 beside "peer-style engine matrix (16 styles x hold/drop x sanitizer off/on/strict; plain PyTorch's truth)" \
   $PT tests/test_peer_matrix.py -n 8 --cudagraph-report="$R/peer-matrix.json" -q
@@ -137,6 +144,11 @@ beside "examples, -n 2 on one GPU" $PT examples/ -n 2 -q
 beside "examples on 2 MPI ranks sharing the GPU" $PT examples/test_mpi_lifecycle.py --cudagraph-require-mpi \
   --cudagraph-report="$R/examples-mpi.json"
 join
+if [ -f .ptests/test_pytorch_graphs.py ]; then
+  step "PyTorch's graph tests: every outcome under the sanitizer as plain" python3 scripts/compare_outcomes.py \
+    "$R/pytorch-graph-tests-plain.xml" "$R/pytorch-graph-tests-sanitized.xml" --json "$R/pytorch-graph-tests-compare.json"
+  rm -f "$R"/pytorch-graph-tests-*.xml  # the comparison's JSON holds every test's two outcomes
+fi
 # phase 2: the benches and timed probes, one at a time
 # (the soak's verdicts are bytes, but its no-trend check times each cycle against a reference: under the
 # first phase's changing load it failed in run 33)

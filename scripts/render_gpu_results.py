@@ -261,6 +261,16 @@ def render(folder: str, title: str) -> None:
     matrix = load(folder, "peer-matrix.json")
     if matrix:
         print_matrix(matrix)
+    cmp = load(folder, "pytorch-graph-tests-compare.json")
+    if cmp:
+        print(f"\n## PyTorch's own CUDA graph tests, plain and under CUDAGRAPH_SANITIZE=1\n\nplain {cmp['plain']}; "
+              f"under the sanitizer {cmp['with_tool']}; **{len(cmp['differ'])} test(s) with another outcome**\n")
+        for d in cmp["differ"]:
+            print(f"- `{d['test']}`: {d['plain']} plain, {d['with_tool']} under the sanitizer ({d['message']})")
+        failed = sorted(t for t, o in cmp["tests"].items() if o["plain"] in ("failed", "error"))
+        if failed:
+            print(f"- failing plain as well, so not the sanitizer's (written for a newer torch than the machine's): "
+                  + ", ".join(f"`{t.split('::')[-1]}`" for t in failed))
     pt = load(folder, "pytorch-graph-tests.json")
     if pt:
         outcomes = {}
