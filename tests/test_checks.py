@@ -238,3 +238,29 @@ def test_each_check_runs_alone():
         only_capture.check_addresses()
     del out
     only_capture.release()
+
+
+class _Counter:
+    """An engine with state written in place each step, as a static KV cache's position counter is."""
+
+    def __init__(self):
+        self.steps = torch.zeros(1)
+
+    def __call__(self, x):
+        self.steps.add_(1)
+        return x * self.steps
+
+
+@pytest.mark.parametrize("kw", [{"checked": ["padding"]}, {"checked": True, "watch": "largest"}],
+                         ids=["padding-alone", "watch-largest"])
+def test_the_padding_checks_extra_replay_moves_no_state_without_the_op_watch(kw):
+    """The padding check's poisoned replay writes the engine's state too; where the op watch does not watch a
+    graph, a write-only watch at its capture still names that state, and the check puts it back."""
+    plain, checked = _Counter(), _Counter()
+    r0 = runner(plain, checked=False)
+    r1 = runner(checked, **kw)
+    for _ in range(4):
+        x = torch.randn(1, 8)  # batch 1 runs in the graph of 2 (not the largest): the padding check replays it twice
+        assert torch.equal(r1.run(x), r0.run(x))
+    assert checked.steps.item() == plain.steps.item()
+    r0.release(), r1.release()

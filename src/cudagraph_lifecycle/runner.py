@@ -153,7 +153,7 @@ class CUDAGraphRunner(KeyedReplay, RunnerReports):
         self.watch = watch
         self._replays_of: Counter[tuple] = Counter()  # (graph key, real batch) -> replays, for recheck_every
         self._addresses = checks.AddressBook()
-        self._writes: dict[tuple, list] = {}  # graph key -> storages from outside it that it writes (the op watch)
+        self._writes: dict[tuple, list] = {}  # graph key -> storages from outside it that it writes in place
         # during capture() with the op watch: (the set's known reads, the names of the tensors it may read, the
         # watch's class: compiled or Python, as CUDAGRAPH_CAPTURE_PATH says)
         self._watched: tuple[dict, dict, type] | None = None
@@ -247,7 +247,10 @@ class CUDAGraphRunner(KeyedReplay, RunnerReports):
             eager_failed = err is not None
             if err is None:
                 watched = "capture" in self.checks and (self.watch == "each" or bs == self.batch_sizes[-1])
-                watch = self._watched[2](be.invalidation_probe(), self._watched[0]) if watched else None
+                # without the op watch, the padding check still needs what the graph writes in place (its
+                # extra replay must not move a KV cache or a step counter): the write-only watch records that
+                watch = (self._watched[2](be.invalidation_probe(), self._watched[0]) if watched
+                         else checks.WriteWatch() if self._poison else None)
                 reserved = be.memory_reserved(self.device)
                 t0 = time.perf_counter()
                 direct = observe.direct_capture(type(graph))
@@ -284,7 +287,8 @@ class CUDAGraphRunner(KeyedReplay, RunnerReports):
                     offender = watch.offender if watch is not None else None
                     err_where = offender or (checks.user_frame(err.__traceback__) if err.__traceback__ else None)
                 elif watch is not None:
-                    self._addresses.add(f"graph {label}", watch.reads, self._watched[1])
+                    if watched:
+                        self._addresses.add(f"graph {label}", watch.reads, self._watched[1])
                     self._writes[(bs, ekey)] = list(watch.writes.values())
         if err is None:
             err = _unsliceable(out, bs)

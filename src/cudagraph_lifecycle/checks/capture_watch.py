@@ -76,13 +76,12 @@ def _op(func: Any) -> tuple[str, Any, tuple]:
     return entry
 
 
-class CaptureWatch(TorchDispatchMode):
-    """Active during one capture: records external reads and the first op that broke the capture.
+class WriteWatch(TorchDispatchMode):
+    """Active during one capture: records the storages from outside it that its ops write in place (a KV
+    cache, a step counter). A replay changes them, so a check that replays an extra time must put them back
+    (``checks/padding.py``). What the padding check needs where the full op watch is off for a graph."""
 
-    Every op of a capture passes through here, so the path is kept short: the op's name is computed once per
-    op kind, arguments are walked directly (aten ops take tensors and lists of them, never dicts), a storage is
-    known by its id without making a storage object, and one already read or born is skipped at once.
-    """
+    offender: str | None = None  # (the full watch's: the op that broke the capture)
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -91,6 +90,47 @@ class CaptureWatch(TorchDispatchMode):
         # (eager, aot_eager, inductor, a graph break) watched the same with and without it: the watch opts out.
         return False
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.born: set[int] = set()
+        self.writes: dict[int, Any] = {}  # storage key -> StorageWeakRef
+
+    def _born(self, out: Any) -> None:
+        if isinstance(out, _Tensor):
+            self.born.add(_storage_id(out))
+        elif isinstance(out, (list, tuple)):
+            for t in out:
+                self._born(t)
+
+    def _wrote(self, written: tuple, args: tuple, kwargs: dict) -> None:
+        for w in written:
+            t = kwargs.get(w) if isinstance(w, str) else (args[w] if w < len(args) else None)
+            if isinstance(t, _Tensor):
+                key = _storage_id(t)
+                if key not in self.born and key not in self.writes:
+                    self.writes[key] = StorageWeakRef(t.untyped_storage())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        _, call, written = _OPS.get(func) or _op(func)
+        if written:
+            self._wrote(written, args, kwargs or {})
+        out = call(*args, **kwargs) if kwargs else call(*args)
+        if isinstance(out, _Tensor):
+            self.born.add(_storage_id(out))
+        else:
+            self._born(out)
+        return out
+
+
+class CaptureWatch(WriteWatch):
+    """Active during one capture: records external reads, the writes a :class:`WriteWatch` records, and the
+    first op that broke the capture.
+
+    Every op of a capture passes through here, so the path is kept short: the op's name is computed once per
+    op kind, arguments are walked directly (aten ops take tensors and lists of them, never dicts), a storage is
+    known by its id without making a storage object, and one already read or born is skipped at once.
+    """
+
     def __init__(self, invalidated: Callable[[], bool] | None, known: dict[int, tuple] | None = None) -> None:
         """``known``: shared by the watches of one capture set (storage key -> (its read, the storage)), so a
         storage every graph reads (a weight) is looked at once a set: the first look (a weak reference, its
@@ -98,14 +138,8 @@ class CaptureWatch(TorchDispatchMode):
         set ends, so a key cannot come to name another storage meanwhile."""
         super().__init__()
         self._invalidated = invalidated  # () -> bool: has the backend's capture been invalidated? (None: unknown)
-        self.born: set[int] = set()
         self.reads: dict[int, ReadStorage] = {}
-        # storages from outside the capture that its ops write in place (a KV cache, a step counter): a replay
-        # changes them, so a check that replays an extra time must put them back (checks/padding.py)
-        self.writes: dict[int, Any] = {}  # storage key -> StorageWeakRef
-        self.offender: str | None = None
         self._known: dict[int, tuple] = {} if known is None else known
-        self._state = (self.born, self.reads, self._known, invalidated)  # what the compiled op path reads
 
     def _read(self, t: Any, key: int, name: str) -> None:
         known = self._known.get(key)
@@ -133,21 +167,6 @@ class CaptureWatch(TorchDispatchMode):
     def _after(self, name: str) -> None:
         if self.offender is None and self._invalidated():
             self.offender = f"{name} at {user_frame()} (the capture was invalid after it)"
-
-    def _born(self, out: Any) -> None:
-        if isinstance(out, _Tensor):
-            self.born.add(_storage_id(out))
-        elif isinstance(out, (list, tuple)):
-            for t in out:
-                self._born(t)
-
-    def _wrote(self, written: tuple, args: tuple, kwargs: dict) -> None:
-        for w in written:
-            t = kwargs.get(w) if isinstance(w, str) else (args[w] if w < len(args) else None)
-            if isinstance(t, _Tensor):
-                key = _storage_id(t)
-                if key not in self.born and key not in self.writes:
-                    self.writes[key] = StorageWeakRef(t.untyped_storage())
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name, call, written = _OPS.get(func) or _op(func)
