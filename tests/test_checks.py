@@ -264,3 +264,38 @@ def test_the_padding_checks_extra_replay_moves_no_state_without_the_op_watch(kw)
         assert torch.equal(r1.run(x), r0.run(x))
     assert checked.steps.item() == plain.steps.item()
     r0.release(), r1.release()
+
+
+class _SlicedCache:
+    """A batch-major static cache and per-row lengths written through slices of them (``cache[:n]``,
+    ``lengths[:n]``), one position a step, as hand-written decode steps do; ``returned`` hands the cache's
+    slice back as an output too."""
+
+    def __init__(self, returned: bool):
+        self.cache, self.pos, self.returned = torch.zeros(4, 64), torch.zeros(1, dtype=torch.long), returned
+        self.lengths = torch.zeros(4)
+
+    def __call__(self, x):
+        n = x.shape[0]
+        self.cache[:n].index_copy_(1, self.pos, x.sum(1, keepdim=True))
+        self.pos.add_(1)
+        self.lengths[:n].add_(1)
+        y = x * 2 + self.cache[:n].sum(1, keepdim=True) + self.lengths[:n, None]
+        return (y, self.cache[:n]) if self.returned else y
+
+
+@pytest.mark.parametrize("checked", [True, ["padding"]], ids=["all", "padding-alone"])
+@pytest.mark.parametrize("returned", [False, True], ids=["state-only", "state-returned"])
+def test_a_cache_written_through_a_view_and_returned_is_state_the_check_leaves_as_it_was(checked, returned):
+    """The padding check's put-back finds state written through a view (a slice's storage is the cache's, not
+    one born in the capture), and an output that is a view of that state gets no sentinel: filling the cache
+    with NaN before the replay would erase every position the replay does not write."""
+    plain, engine = _SlicedCache(returned), _SlicedCache(returned)
+    r0, r1 = runner(plain, checked=False), runner(engine, checked=checked)
+    for _ in range(4):
+        x = torch.randn(3, 8)
+        for a, b in zip(*(torch.utils._pytree.tree_leaves(r.run(x)) for r in (r1, r0))):
+            assert torch.equal(a, b)
+    assert torch.equal(engine.cache, plain.cache) and torch.equal(engine.pos, plain.pos)
+    assert torch.equal(engine.lengths, plain.lengths)
+    r0.release(), r1.release()

@@ -153,7 +153,9 @@ class CUDAGraphRunner(KeyedReplay, RunnerReports):
         self.watch = watch
         self._replays_of: Counter[tuple] = Counter()  # (graph key, real batch) -> replays, for recheck_every
         self._addresses = checks.AddressBook()
-        self._writes: dict[tuple, list] = {}  # graph key -> storages from outside it that it writes in place
+        # graph key -> (the storages from outside it that it writes in place, the indices of its outputs that
+        # are views of those: state such as a KV cache handed back), as its capture's watch saw
+        self._effects: dict[tuple, tuple[list, frozenset]] = {}
         # during capture() with the op watch: (the set's known reads, the names of the tensors it may read, the
         # watch's class: compiled or Python, as CUDAGRAPH_CAPTURE_PATH says)
         self._watched: tuple[dict, dict, type] | None = None
@@ -289,7 +291,7 @@ class CUDAGraphRunner(KeyedReplay, RunnerReports):
                 elif watch is not None:
                     if watched:
                         self._addresses.add(f"graph {label}", watch.reads, self._watched[1])
-                    self._writes[(bs, ekey)] = list(watch.writes.values())
+                    self._effects[(bs, ekey)] = (list(watch.writes.values()), watch.state_outputs(out))
         if err is None:
             err = _unsliceable(out, bs)
         if err is not None:
@@ -336,7 +338,7 @@ class CUDAGraphRunner(KeyedReplay, RunnerReports):
                 self._graphs.popitem()[1][0].reset()
             self._static_in = None
             self._stream = None
-            self._writes.clear()
+            self._effects.clear()
             self._released = True
             be.synchronize(self.device)
             if self._owns_pool:

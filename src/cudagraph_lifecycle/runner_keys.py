@@ -144,7 +144,7 @@ class KeyedReplay:
         if self._poison and self._due((bs, ekey, b)):
             checks.checked_replay(graph, self._static_in, b, bs, out, self.pad_value,
                                   f"runner {self.name!r}, batch {b} on the batch-{bs} graph",
-                                  self._writes.get((bs, ekey)))
+                                  *self._effects.get((bs, ekey), (None, None)))
         else:
             if b < bs:
                 self._static_in[b:bs].fill_(self.pad_value)

@@ -52,7 +52,8 @@ _Tensor = torch.Tensor  # one global lookup per isinstance instead of two
 # A tensor's storage identity (the StorageImpl's address, as ``untyped_storage()._cdata``) without making a
 # storage object: half the cost per tensor, and most tensors an op passes are seen for their identity only.
 _storage_id = getattr(torch._C, "_storage_id", None) or (lambda t: t.untyped_storage()._cdata)
-_OPS: dict[Any, tuple[str, Any, tuple]] = {}  # op -> (readable name, what to call, the arguments it writes)
+# op -> (readable name, what to call, the arguments it writes, whether its outputs alias an argument)
+_OPS: dict[Any, tuple[str, Any, tuple, bool]] = {}
 
 
 def _written(func: Any) -> tuple:
@@ -65,14 +66,21 @@ def _written(func: Any) -> tuple:
                  if a.alias_info is not None and a.alias_info.is_write)
 
 
-def _op(func: Any) -> tuple[str, Any, tuple]:
+def _aliases(func: Any) -> bool:
+    """Does ``func`` return a view of an argument or the argument itself (``slice``, ``view``, ``add_``)? Such an
+    output's storage is the argument's, not one born in the capture. Unknown schema: assume it may."""
+    schema = getattr(func, "_schema", None)
+    return schema is None or any(r.alias_info is not None for r in schema.returns)
+
+
+def _op(func: Any) -> tuple[str, Any, tuple, bool]:
     entry = _OPS.get(func)
     if entry is None:
         name = str(func)  # "aten.mm.default": the readable form is the op without its default overload
         if name.endswith(".default"):
             name = name[: -len(".default")]
         # An OpOverload's own __call__ only forwards to its C++ op: call that directly, one frame less per op.
-        entry = _OPS[func] = (name, getattr(func, "_op", func), _written(func))
+        entry = _OPS[func] = (name, getattr(func, "_op", func), _written(func), _aliases(func))
     return entry
 
 
@@ -110,12 +118,22 @@ class WriteWatch(TorchDispatchMode):
                 if key not in self.born and key not in self.writes:
                     self.writes[key] = StorageWeakRef(t.untyped_storage())
 
+    def state_outputs(self, out: Any) -> frozenset[int]:
+        """The indices (among ``out``'s tensor leaves) of the outputs that are views of storage from outside
+        the capture that its ops write in place (a KV cache handed back): state, not the graph's own buffers."""
+        from ..trees import leaves
+
+        tensors = [t for t in leaves(out) if isinstance(t, _Tensor)]
+        return frozenset(i for i, t in enumerate(tensors) if _storage_id(t) in self.writes)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        _, call, written = _OPS.get(func) or _op(func)
+        _, call, written, aliases = _OPS.get(func) or _op(func)
         if written:
             self._wrote(written, args, kwargs or {})
         out = call(*args, **kwargs) if kwargs else call(*args)
-        if isinstance(out, _Tensor):
+        if aliases:  # a view of an argument (a KV cache's slice) is that argument's storage, not a new one
+            pass
+        elif isinstance(out, _Tensor):
             self.born.add(_storage_id(out))
         else:
             self._born(out)
@@ -169,7 +187,7 @@ class CaptureWatch(WriteWatch):
             self.offender = f"{name} at {user_frame()} (the capture was invalid after it)"
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name, call, written = _OPS.get(func) or _op(func)
+        name, call, written, aliases = _OPS.get(func) or _op(func)
         if written:
             self._wrote(written, args, kwargs or {})
         born, reads, known = self.born, self.reads, self._known
@@ -191,7 +209,9 @@ class CaptureWatch(WriteWatch):
         except BaseException:
             self._failed(name)
             raise
-        if isinstance(out, _Tensor):
+        if aliases:  # (as in WriteWatch)
+            pass
+        elif isinstance(out, _Tensor):
             born.add(_storage_id(out))
         else:
             self._born(out)

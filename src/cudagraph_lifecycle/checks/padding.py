@@ -103,13 +103,16 @@ def _unwritten(t: torch.Tensor, b: int) -> torch.Tensor | None:
 
 
 def checked_replay(graph: Any, static_in: torch.Tensor, b: int, bs: int, outputs: Any, pad_value: float,
-                   what: str, writes: list | None = None) -> None:
+                   what: str, writes: list | None = None, state: frozenset | None = None) -> None:
     """Replay ``graph`` for a batch of ``b`` real rows of ``bs``, checking what it writes (see the module).
     The graph is left holding the outputs of the real batch padded with ``pad_value``. Every verdict is
     computed on the device and read back at once: one host sync per checked step, not one per output.
     ``writes``: weak references to the storages from outside the graph that it writes in place (a KV cache,
     a step counter; the op watch's record), put back after the extra, poisoned replay so that the engine's
-    state moves once a step, as unchecked (None: not watched, nothing put back)."""
+    state moves once a step, as unchecked (None: not watched, nothing put back). ``state``: the indices of
+    the outputs that are views of those storages (a KV cache handed back). They get no sentinel: the graph
+    reads them, and filling them would erase what the replay does not write (an output of storage from outside
+    that the graph never writes still gets one, and is caught as unwritten)."""
     outs = [t for t in leaves(outputs) if isinstance(t, torch.Tensor)]
     if b < bs:  # first the padding poisoned, to compare with the normal run below
         saved = _save(writes)
@@ -123,9 +126,11 @@ def checked_replay(graph: Any, static_in: torch.Tensor, b: int, bs: int, outputs
     if b < bs:
         static_in[b:bs].fill_(pad_value)
     shared = _shared(outs, static_in)
+    if state:
+        shared = [sh or i in state for i, sh in enumerate(shared)]
     for t, sh in zip(outs, shared):
         s = sentinel(t.dtype)
-        # an output that shares the input's storage is read by the graph: a sentinel there would be input
+        # an output that is a view of state (the input, a KV cache) is read by the graph: no sentinel there
         if s is not None and not sh:
             t.fill_(s)
     graph.replay()
