@@ -57,6 +57,15 @@ def _check_options(warmup: Any, recheck_every: Any, watch: Any, dtype: Any) -> N
         raise ConfigError(f"dtype must be a torch.dtype, got {dtype!r}")
 
 
+def _watch(r: CUDAGraphRunner, bs: int) -> checks.WriteWatch | None:
+    """The watch of one capture: the op watch where the ``capture`` check watches this batch; else, where the
+    padding check runs, the write-only watch (its extra replay must not move a KV cache, so it needs what the
+    graph writes in place); else none."""
+    if "capture" in r.checks and (r.watch == "each" or bs == r.batch_sizes[-1]):
+        return r._watched[2](r.backend.invalidation_probe(), r._watched[0])
+    return checks.WriteWatch() if r._poison else None
+
+
 class CUDAGraphRunner(KeyedReplay, RunnerReports):
     """Captures ``forward(x, **extra)`` once per key and replays it.
 
@@ -153,9 +162,7 @@ class CUDAGraphRunner(KeyedReplay, RunnerReports):
         self.watch = watch
         self._replays_of: Counter[tuple] = Counter()  # (graph key, real batch) -> replays, for recheck_every
         self._addresses = checks.AddressBook()
-        # graph key -> (the storages from outside it that it writes in place, the indices of its outputs that
-        # are views of those: state such as a KV cache handed back), as its capture's watch saw
-        self._effects: dict[tuple, tuple[list, frozenset]] = {}
+        self._effects: dict[tuple, tuple[list, frozenset]] = {}  # graph key -> (state it writes, outputs of it)
         # during capture() with the op watch: (the set's known reads, the names of the tensors it may read, the
         # watch's class: compiled or Python, as CUDAGRAPH_CAPTURE_PATH says)
         self._watched: tuple[dict, dict, type] | None = None
@@ -248,11 +255,7 @@ class CUDAGraphRunner(KeyedReplay, RunnerReports):
                 err = e
             eager_failed = err is not None
             if err is None:
-                watched = "capture" in self.checks and (self.watch == "each" or bs == self.batch_sizes[-1])
-                # without the op watch, the padding check still needs what the graph writes in place (its
-                # extra replay must not move a KV cache or a step counter): the write-only watch records that
-                watch = (self._watched[2](be.invalidation_probe(), self._watched[0]) if watched
-                         else checks.WriteWatch() if self._poison else None)
+                watch = _watch(self, bs)
                 reserved = be.memory_reserved(self.device)
                 t0 = time.perf_counter()
                 direct = observe.direct_capture(type(graph))
@@ -286,10 +289,10 @@ class CUDAGraphRunner(KeyedReplay, RunnerReports):
                 label = f"{bs} {dict(ekey)}" if ekey else str(bs)
                 self._stats.graph_bytes[label] = be.memory_reserved(self.device) - reserved
                 if err is not None:
-                    offender = watch.offender if watch is not None else None
-                    err_where = offender or (checks.user_frame(err.__traceback__) if err.__traceback__ else None)
+                    err_where = (getattr(watch, "offender", None)
+                                 or (checks.user_frame(err.__traceback__) if err.__traceback__ else None))
                 elif watch is not None:
-                    if watched:
+                    if isinstance(watch, checks.CaptureWatch):
                         self._addresses.add(f"graph {label}", watch.reads, self._watched[1])
                     self._effects[(bs, ekey)] = (list(watch.writes.values()), watch.state_outputs(out))
         if err is None:
