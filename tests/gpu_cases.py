@@ -457,6 +457,43 @@ print("survived", flush=True)
 """
 
 
+def checked_runner_keeps_a_large_cache():
+    """A decode-style engine with a 96 MiB static cache written through a view each step: checked, its outputs
+    and cache equal an unchecked twin's, and the padding check's copy of the cache went to host memory (the
+    reserved device memory does not grow by the cache's size across the checked replays)."""
+    _without_worker_sanitizer()
+
+    class Cache:
+        def __init__(self):
+            self.cache = torch.zeros(4, 6 << 20, device="cuda")  # 96 MiB: above ON_DEVICE_COPY_BYTES
+            self.pos = torch.zeros(1, dtype=torch.long, device="cuda")
+
+        def __call__(self, x):
+            n = x.shape[0]
+            self.cache[:n].index_copy_(1, self.pos, x.sum(1, keepdim=True))
+            self.pos.add_(1)
+            return x * 2 + self.cache[:n, :64].sum(1, keepdim=True), self.cache[:n, :64]
+
+    plain, engine = Cache(), Cache()
+    r0 = CUDAGraphRunner(plain, [2, 4], (8,), backend="cuda", checked=False)
+    r1 = CUDAGraphRunner(engine, [2, 4], (8,), backend="cuda", checked=True)
+    r0.capture(), r1.capture()
+    torch.cuda.synchronize()
+    reserved = torch.cuda.memory_reserved()
+    same = True
+    for _ in range(4):
+        x = torch.randn(3, 8, device="cuda")
+        a, b = r1.run(x), r0.run(x)
+        same = same and all(bool(torch.equal(u, v)) for u, v in zip(a, b))
+        del a, b
+    torch.cuda.synchronize()
+    out = {"same_outputs": same, "same_cache": bool(torch.equal(engine.cache, plain.cache)),
+           "same_pos": bool(torch.equal(engine.pos, plain.pos)), "growth": torch.cuda.memory_reserved() - reserved,
+           "cache_bytes": engine.cache.untyped_storage().nbytes()}
+    r0.release(), r1.release()
+    return out
+
+
 def expandable_segments_teardown_in_fresh_processes():
     """Each in a fresh process with expandable segments: plain PyTorch, then under the sanitizer (on, which
     refuses; on with report, which does not; strict)."""

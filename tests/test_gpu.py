@@ -183,6 +183,13 @@ def test_checked_runner_catches_overwritten_outputs_padding_addresses_and_the_br
     assert "freed since the capture" in r["freed"][0] and "read by graph 4, graph 2" in r["freed"][0], r
 
 
+def test_checked_mode_leaves_a_large_cache_as_unchecked_and_copies_it_to_host(cudagraph_worker):
+    r = cudagraph_worker.call(gpu_cases.checked_runner_keeps_a_large_cache)
+    print("large cache, checked:", r)
+    assert r["same_outputs"] and r["same_cache"] and r["same_pos"], r
+    assert r["growth"] < r["cache_bytes"], r
+
+
 def test_expandable_segments_teardown_crashes_plain_pytorch_and_is_refused_by_on(cudagraph_worker):
     r = cudagraph_worker.call(gpu_cases.expandable_segments_teardown_in_fresh_processes)
     print("expandable segments:", r)

@@ -67,13 +67,19 @@ def _ours(e: RuntimeError, static_in: torch.Tensor, what: str) -> None:
     raise ReplayCheckError(f"{text} ({first_line(e)})") from e
 
 
+# A device storage larger than this (a real KV cache: gigabytes) is copied to host memory: a copy beside it on
+# the device could fail for want of memory, crashing a correct engine, or leave the default pool grown by its size.
+ON_DEVICE_COPY_BYTES = 64 << 20
+
+
 def _save(writes: list | None) -> list[tuple[Any, Any]]:
     """(storage, a copy of it) for each storage in ``writes`` still alive."""
     saved = []
     for weak in writes or ():
         storage = torch.UntypedStorage._new_with_weak_ptr(weak.cdata) if not weak.expired() else None
         if storage is not None:
-            saved.append((storage, storage.clone()))
+            big = storage.device.type != "cpu" and storage.nbytes() > ON_DEVICE_COPY_BYTES
+            saved.append((storage, storage.cpu() if big else storage.clone()))
     return saved
 
 
