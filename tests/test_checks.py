@@ -299,3 +299,17 @@ def test_a_cache_written_through_a_view_and_returned_is_state_the_check_leaves_a
     assert torch.equal(engine.cache, plain.cache) and torch.equal(engine.pos, plain.pos)
     assert torch.equal(engine.lengths, plain.lengths)
     r0.release(), r1.release()
+
+
+def test_a_view_of_state_handed_back_is_not_guarded_as_an_overwritten_output():
+    """A cache view kept across steps changes as it would eagerly (the cache is written in place each step):
+    only the graph's own output buffers raise once a later replay overwrote them."""
+    engine = _SlicedCache(returned=True)
+    r = runner(engine, checked=["outputs"])
+    y1, cache1 = r.run(torch.randn(3, 8))
+    r.run(torch.randn(3, 8))
+    assert torch.equal(cache1 + 0, engine.cache[:3])  # used after the next step: the live cache, no error
+    with pytest.raises(OverwrittenOutputError):
+        y1.sum()
+    del y1, cache1
+    r.release()

@@ -59,11 +59,11 @@ def _check_options(warmup: Any, recheck_every: Any, watch: Any, dtype: Any) -> N
 
 def _watch(r: CUDAGraphRunner, bs: int) -> checks.WriteWatch | None:
     """The watch of one capture: the op watch where the ``capture`` check watches this batch; else, where the
-    padding check runs, the write-only watch (its extra replay must not move a KV cache, so it needs what the
-    graph writes in place); else none."""
+    padding or outputs check runs, the write-only watch (the padding check's extra replay must not move a KV
+    cache, and an output that is a view of one is state, not the graph's buffer); else none."""
     if "capture" in r.checks and (r.watch == "each" or bs == r.batch_sizes[-1]):
         return r._watched[2](r.backend.invalidation_probe(), r._watched[0])
-    return checks.WriteWatch() if r._poison else None
+    return checks.WriteWatch() if r._poison or r._guard is not None else None
 
 
 class CUDAGraphRunner(KeyedReplay, RunnerReports):
@@ -162,7 +162,7 @@ class CUDAGraphRunner(KeyedReplay, RunnerReports):
         self.watch = watch
         self._replays_of: Counter[tuple] = Counter()  # (graph key, real batch) -> replays, for recheck_every
         self._addresses = checks.AddressBook()
-        self._effects: dict[tuple, tuple[list, frozenset]] = {}  # graph key -> (state it writes, outputs of it)
+        self._effects: dict[tuple, tuple[list, frozenset]] = {}  # graph key -> (state it writes, their keys)
         # during capture() with the op watch: (the set's known reads, the names of the tensors it may read, the
         # watch's class: compiled or Python, as CUDAGRAPH_CAPTURE_PATH says)
         self._watched: tuple[dict, dict, type] | None = None
@@ -294,7 +294,7 @@ class CUDAGraphRunner(KeyedReplay, RunnerReports):
                 elif watch is not None:
                     if isinstance(watch, checks.CaptureWatch):
                         self._addresses.add(f"graph {label}", watch.reads, self._watched[1])
-                    self._effects[(bs, ekey)] = (list(watch.writes.values()), watch.state_outputs(out))
+                    self._effects[(bs, ekey)] = (list(watch.writes.values()), frozenset(watch.writes))
         if err is None:
             err = _unsliceable(out, bs)
         if err is not None:

@@ -153,8 +153,11 @@ class KeyedReplay:
         if self.copy_outputs:
             return map_leaves(lambda t: t[:b].clone() if isinstance(t, torch.Tensor) else t, out)
         if self._guard is not None:
-            guard, key = self._guard, (bs, ekey)
-            return map_leaves(lambda t: guard.hand_out(key, t[:b]) if isinstance(t, torch.Tensor) else t, out)
+            # a view of state the graph writes in place (a KV cache handed back) changes at each step eagerly
+            # too: only the graph's own buffers are guarded
+            guard, key, state = self._guard, (bs, ekey), self._effects.get((bs, ekey), (None, frozenset()))[1]
+            return map_leaves(lambda t: t if not isinstance(t, torch.Tensor) else t[:b]
+                              if state and checks.storage_key(t) in state else guard.hand_out(key, t[:b]), out)
         return map_leaves(lambda t: t[:b] if isinstance(t, torch.Tensor) else t, out)
 
     __call__ = run

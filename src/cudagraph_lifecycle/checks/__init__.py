@@ -4,10 +4,10 @@ The runner runs them in checked mode (``CUDAGraphRunner(checked=True)``, ``CUDAG
 sanitizer in ``strict`` mode)."""
 
 from .addresses import AddressBook, named_tensors
-from .capture_watch import CaptureWatch, WriteWatch, user_frame
+from .capture_watch import CaptureWatch, WriteWatch, storage_key, user_frame
 from .mode import CHECKS, enabled, selected
 from .outputs import CheckedOutput, OutputGuard
 from .padding import checked_replay
 
 __all__ = ["CHECKS", "AddressBook", "CaptureWatch", "CheckedOutput", "OutputGuard",
-           "WriteWatch", "checked_replay", "enabled", "named_tensors", "selected", "user_frame"]
+           "WriteWatch", "checked_replay", "enabled", "named_tensors", "selected", "storage_key", "user_frame"]

@@ -52,6 +52,7 @@ _Tensor = torch.Tensor  # one global lookup per isinstance instead of two
 # A tensor's storage identity (the StorageImpl's address, as ``untyped_storage()._cdata``) without making a
 # storage object: half the cost per tensor, and most tensors an op passes are seen for their identity only.
 _storage_id = getattr(torch._C, "_storage_id", None) or (lambda t: t.untyped_storage()._cdata)
+storage_key = _storage_id
 # op -> (readable name, what to call, the arguments it writes, whether its outputs alias an argument)
 _OPS: dict[Any, tuple[str, Any, tuple, bool]] = {}
 
@@ -117,14 +118,6 @@ class WriteWatch(TorchDispatchMode):
                 key = _storage_id(t)
                 if key not in self.born and key not in self.writes:
                     self.writes[key] = StorageWeakRef(t.untyped_storage())
-
-    def state_outputs(self, out: Any) -> frozenset[int]:
-        """The indices (among ``out``'s tensor leaves) of the outputs that are views of storage from outside
-        the capture that its ops write in place (a KV cache handed back): state, not the graph's own buffers."""
-        from ..trees import leaves
-
-        tensors = [t for t in leaves(out) if isinstance(t, _Tensor)]
-        return frozenset(i for i, t in enumerate(tensors) if _storage_id(t) in self.writes)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         _, call, written, aliases = _OPS.get(func) or _op(func)

@@ -20,6 +20,7 @@ import torch
 
 from ..errors import ReplayCheckError, first_line
 from ..trees import leaves
+from .capture_watch import storage_key
 
 
 def sentinel(dtype: torch.dtype) -> float | int | None:
@@ -115,10 +116,10 @@ def checked_replay(graph: Any, static_in: torch.Tensor, b: int, bs: int, outputs
     computed on the device and read back at once: one host sync per checked step, not one per output.
     ``writes``: weak references to the storages from outside the graph that it writes in place (a KV cache,
     a step counter; the op watch's record), put back after the extra, poisoned replay so that the engine's
-    state moves once a step, as unchecked (None: not watched, nothing put back). ``state``: the indices of
-    the outputs that are views of those storages (a KV cache handed back). They get no sentinel: the graph
-    reads them, and filling them would erase what the replay does not write (an output of storage from outside
-    that the graph never writes still gets one, and is caught as unwritten)."""
+    state moves once a step, as unchecked (None: not watched, nothing put back). ``state``: those storages'
+    keys; an output that is a view of one (a KV cache handed back) gets no sentinel: the graph reads it, and
+    filling it would erase what the replay does not write (an output of storage from outside that the graph
+    never writes still gets one, and is caught as unwritten)."""
     outs = [t for t in leaves(outputs) if isinstance(t, torch.Tensor)]
     if b < bs:  # first the padding poisoned, to compare with the normal run below
         saved = _save(writes)
@@ -133,7 +134,7 @@ def checked_replay(graph: Any, static_in: torch.Tensor, b: int, bs: int, outputs
         static_in[b:bs].fill_(pad_value)
     shared = _shared(outs, static_in)
     if state:
-        shared = [sh or i in state for i, sh in enumerate(shared)]
+        shared = [sh or storage_key(t) in state for t, sh in zip(outs, shared)]
     for t, sh in zip(outs, shared):
         s = sentinel(t.dtype)
         # an output that is a view of state (the input, a KV cache) is read by the graph: no sentinel there
