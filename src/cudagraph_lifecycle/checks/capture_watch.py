@@ -69,9 +69,10 @@ def _written(func: Any) -> tuple:
 
 def _aliases(func: Any) -> bool:
     """Does ``func`` return a view of an argument or the argument itself (``slice``, ``view``, ``add_``)? Such an
-    output's storage is the argument's, not one born in the capture. Unknown schema: assume it may."""
+    output's storage is the argument's, not one born in the capture. No schema: taken as born (an output
+    wrongly taken as read from outside would be reported as freed once it dies)."""
     schema = getattr(func, "_schema", None)
-    return schema is None or any(r.alias_info is not None for r in schema.returns)
+    return schema is not None and any(r.alias_info is not None for r in schema.returns)
 
 
 def _op(func: Any) -> tuple[str, Any, tuple, bool]:
