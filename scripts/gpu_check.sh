@@ -119,8 +119,10 @@ beside "conformance on cuda" python3 -m cudagraph_lifecycle.conformance --backen
   --json "$R/conformance-cuda.json"
 beside "GPU tests" $PT -q -rP tests/test_gpu.py
 if [ -f .ptests/test_pytorch_graphs.py ]; then
-  # PyTorch's own TestCuda graph tests (extracted from pytorch/pytorch test/test_cuda.py, carried, not committed;
-  # see docs/gpu-results/RESULTS.md), once plain (no plugin) and once under a session-wide sanitizer; the
+  # PyTorch's own TestCuda graph tests (extracted from pytorch/pytorch test/test_cuda.py, carried, not committed:
+  # a checkout has no .ptests/; rebuild it from the tool library's copy of test/test_cuda.py at pytorch commit
+  # 000e43cd, its TestCuda graph methods and the names they import, with the missing ones guarded for torch
+  # 2.11), once plain (no plugin) and once under a session-wide sanitizer; the
   # comparison after the join judges them: a test written for a newer torch fails in both runs alike, and
   # only an outcome the sanitizer changed fails the check. (pytest's status 1, tests failed, is left to the
   # comparison; 2 and up, a collection or usage error, fails the step.) Stream.is_capturing is newer than 2.11.

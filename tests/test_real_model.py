@@ -100,3 +100,52 @@ def test_a_kept_handle_is_stale_when_a_workspace_pins_the_pool_although_a_verdic
     records = _sequence_in(request, "on")(hf_engines.STYLES["class"], 2, output="drop", check=False)
     assert [r["verdict"] for r in records] == ["leaked", "stale"], [r["problems"] for r in records]
     assert "StalePoolError" in records[1]["problems"][0]["message"]
+
+
+def _checked_against_unchecked(backend: str, checked, watch: str) -> list:
+    """Runs in a fresh worker: one runner checked as given and one unchecked, each around its own decoder (the
+    same weights and prefilled caches), fed the same token ids for six decode steps without rewinding, so
+    each step's KV cache and length counters carry on from the last. Per step: do the logits agree; at the end:
+    do the caches and counters."""
+    import torch
+
+    from cudagraph_lifecycle import CUDAGraphRunner
+    from cudagraph_lifecycle.backends import isolated_backend
+
+    be = isolated_backend(backend)
+    decoders, runners = [], []
+    for check in (checked, False):
+        d = hf_engines._Decoder(be)
+        r = CUDAGraphRunner(d.decode, hf_engines.BATCH_SIZES, (1,), dtype=torch.long, backend=be, checked=check,
+                            watch=watch, name="hf-llama")
+        with torch.no_grad():
+            r.capture()
+        decoders.append(d), runners.append(r)
+    atol = 1e-5 if decoders[0].dtype == torch.float32 else 1e-3
+    same = []
+    for step, b in enumerate((3, 3, 2, 1, 3, 2)):  # 3 runs padded in the graph of 4, 2 and 1 in their own
+        x = torch.randint(0, hf_engines.VOCAB, (b, 1), generator=torch.Generator().manual_seed(step)).to(be.torch_device(0))
+        with torch.no_grad():
+            got, want = (r.run(x).clone() for r in runners)
+        same.append(bool(torch.allclose(got, want, atol=atol)))
+    state = [[t for layer in d.caches[bs].layers for t in (layer.keys, layer.values, layer.cumulative_length)
+              if isinstance(t, torch.Tensor)] for d in decoders for bs in hf_engines.BATCH_SIZES]
+    half = len(state) // 2
+    same.append(all(torch.allclose(a.float(), b.float(), atol=atol) for s, u in zip(state[:half], state[half:])
+                    for a, b in zip(s, u)))
+    for r in runners:
+        r.release()
+    return same
+
+
+@pytest.mark.parametrize("checked, watch", [(True, "each"), (["padding"], "each"), (["outputs"], "each"),
+                                            (True, "largest")], ids=["all", "padding", "outputs", "largest"])
+def test_every_check_leaves_a_decode_steps_logits_and_cache_as_unchecked(request, pytestconfig, checked, watch):
+    """Checked mode observes: over decode steps that carry their KV cache and length counters on, a checked
+    runner's logits and final caches equal an unchecked one's, whichever checks run (the padding check alone
+    once failed here with a false replay_check: its extra replay moved the cache's length counter)."""
+    from pytest_cudagraph.settings import effective_backend
+
+    same = request.getfixturevalue("cudagraph_worker").call(_checked_against_unchecked,
+                                                             effective_backend(pytestconfig), checked, watch)
+    assert all(same), same
