@@ -125,11 +125,7 @@ class WriteWatch(TorchDispatchMode):
         if written:
             self._wrote(written, args, kwargs or {})
         out = call(*args, **kwargs) if kwargs else call(*args)
-        if aliases:  # a view of an argument (a KV cache's slice) is that argument's storage, not a new one
-            pass
-        elif isinstance(out, _Tensor):
-            self.born.add(_storage_id(out))
-        else:
+        if not aliases:  # (a view of an argument, a KV cache's slice, has that argument's storage: not born)
             self._born(out)
         return out
 
@@ -203,12 +199,11 @@ class CaptureWatch(WriteWatch):
         except BaseException:
             self._failed(name)
             raise
-        if aliases:  # (as in WriteWatch)
-            pass
-        elif isinstance(out, _Tensor):
-            born.add(_storage_id(out))
-        else:
-            self._born(out)
+        if not aliases:  # (as in WriteWatch; inlined for the common output, one tensor)
+            if isinstance(out, _Tensor):
+                born.add(_storage_id(out))
+            else:
+                self._born(out)
         if self._invalidated is not None:
             self._after(name)
         return out
