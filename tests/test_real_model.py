@@ -102,30 +102,33 @@ def test_a_kept_handle_is_stale_when_a_workspace_pins_the_pool_although_a_verdic
     assert "StalePoolError" in records[1]["problems"][0]["message"]
 
 
-def _checked_against_unchecked(backend: str, checked, watch: str) -> list:
+def _checked_against_unchecked(backend: str, checked, watch: str, inference: bool = False) -> list:
     """Runs in a fresh worker: one runner checked as given and one unchecked, each around its own decoder (the
     same weights and prefilled caches), fed the same token ids for six decode steps without rewinding, so
     each step's KV cache and length counters carry on from the last. Per step: do the logits agree; at the end:
-    do the caches and counters."""
+    do the caches and counters. ``inference``: everything, the model and its caches included, made and run
+    under ``torch.inference_mode()`` (as vLLM's model runner does), where a tensor made inside may not be
+    written outside: a put-back of ours must stay inside the caller's mode."""
     import torch
 
     from cudagraph_lifecycle import CUDAGraphRunner
     from cudagraph_lifecycle.backends import isolated_backend
 
     be = isolated_backend(backend)
+    grad_off = torch.inference_mode if inference else torch.no_grad
     decoders, runners = [], []
     for check in (checked, False):
-        d = hf_engines._Decoder(be)
-        r = CUDAGraphRunner(d.decode, hf_engines.BATCH_SIZES, (1,), dtype=torch.long, backend=be, checked=check,
-                            watch=watch, name="hf-llama")
-        with torch.no_grad():
+        with grad_off():
+            d = hf_engines._Decoder(be)
+            r = CUDAGraphRunner(d.decode, hf_engines.BATCH_SIZES, (1,), dtype=torch.long, backend=be,
+                                checked=check, watch=watch, name="hf-llama")
             r.capture()
         decoders.append(d), runners.append(r)
     atol = 1e-5 if decoders[0].dtype == torch.float32 else 1e-3
     same = []
     for step, b in enumerate((3, 3, 2, 1, 3, 2)):  # 3 runs padded in the graph of 4, 2 and 1 in their own
         x = torch.randint(0, hf_engines.VOCAB, (b, 1), generator=torch.Generator().manual_seed(step)).to(be.torch_device(0))
-        with torch.no_grad():
+        with grad_off():
             got, want = (r.run(x).clone() for r in runners)
         same.append(bool(torch.allclose(got, want, atol=atol)))
     state = [[t for layer in d.caches[bs].layers for t in (layer.keys, layer.values, layer.cumulative_length)
@@ -138,14 +141,17 @@ def _checked_against_unchecked(backend: str, checked, watch: str) -> list:
     return same
 
 
-@pytest.mark.parametrize("checked, watch", [(True, "each"), (["padding"], "each"), (["outputs"], "each"),
-                                            (True, "largest")], ids=["all", "padding", "outputs", "largest"])
-def test_every_check_leaves_a_decode_steps_logits_and_cache_as_unchecked(request, pytestconfig, checked, watch):
+@pytest.mark.parametrize("checked, watch, inference", [
+    (True, "each", False), (["padding"], "each", False), (["outputs"], "each", False), (True, "largest", False),
+    (True, "each", True)], ids=["all", "padding", "outputs", "largest", "all-inference-mode"])
+def test_every_check_leaves_a_decode_steps_logits_and_cache_as_unchecked(request, pytestconfig, checked, watch,
+                                                                         inference):
     """Checked mode observes: over decode steps that carry their KV cache and length counters on, a checked
     runner's logits and final caches equal an unchecked one's, whichever checks run (the padding check alone
     once failed here with a false replay_check: its extra replay moved the cache's length counter)."""
     from pytest_cudagraph.settings import effective_backend
 
     same = request.getfixturevalue("cudagraph_worker").call(_checked_against_unchecked,
-                                                             effective_backend(pytestconfig), checked, watch)
+                                                             effective_backend(pytestconfig), checked, watch,
+                                                             inference)
     assert all(same), same
