@@ -135,7 +135,7 @@ if [ -f .ptests/test_pytorch_graphs.py ]; then
 fi
 beside "peer-style engine matrix (16 styles x hold/drop x sanitizer off/on/strict; plain PyTorch's truth)" \
   $PT tests/test_peer_matrix.py -n 8 --cudagraph-report="$R/peer-matrix.json" -q
-beside "real-model engines (a transformers Llama on token ids, static KV cache: 6 styles x hold/drop x off/on/strict; plain PyTorch's truth)" \
+beside "real-model engines (a transformers Llama on token ids, static KV cache: 7 styles x hold/drop x off/on/strict; plain PyTorch's truth)" \
   $PT tests/test_real_model.py -n 4 --cudagraph-report="$R/real-model.json" -q
 beside "piecewise engines (vLLM v1 style: pieces of every batch size in one pool)" \
   $PT tests/test_piecewise_engines.py --cudagraph-backend=cuda -n 4 -q --cudagraph-report="$R/piecewise.json"

@@ -16,6 +16,7 @@ Styles (``STYLES``):
 * ``class``: the same, the pool handle kept on the engine's class (the bug this project exists for);
 * ``global``: the pieces of every batch size in one process-wide pool, minted once (vLLM's global pool);
 * ``stream``: a fresh pool per engine, warmed up and captured on a stream the engine makes itself;
+* ``inference``: ``pool`` made, captured and run under ``torch.inference_mode()`` (vLLM's way);
 * ``runner``: this library's ``CUDAGraphRunner`` around the model's decode step (token ids padded);
 * ``compile``: ``torch.compile(mode="reduce-overhead")`` of the decode step (cudagraph trees; ``cuda`` only).
 
@@ -233,6 +234,28 @@ class OwnStreamEngine(PoolPerEngine):
         return self.stream
 
 
+class InferenceModeEngine(PoolPerEngine):
+    """``inference``: ``pool`` the way vLLM's model runner works, all under ``torch.inference_mode()``: the
+    model and its caches are made inside it (inference tensors, which may not be written outside it), and so
+    are capture, steps and the eager reference. Nothing of ours may write one of its tensors outside."""
+
+    def __init__(self, backend: Backend):
+        with torch.inference_mode():
+            super().__init__(backend)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        super().capture()
+
+    @torch.inference_mode()
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        return super().run(x)
+
+    @torch.inference_mode()
+    def eager(self, x: torch.Tensor) -> torch.Tensor:
+        return super().eager(x)
+
+
 class RunnerEngine(_Decoder):
     """``runner``: the library's ``CUDAGraphRunner`` around the decode step, on token ids (int64), padded to
     the captured batch size; under ``--cudagraph-sanitize=strict`` in checked mode (the padding check poisons
@@ -294,5 +317,5 @@ class CompiledEngine(_Decoder):
 
 
 STYLES = {"pool": PoolPerEngine, "class": ClassPoolEngine, "global": GlobalPoolEngine, "stream": OwnStreamEngine,
-          "runner": RunnerEngine, "compile": CompiledEngine}
-SIM_STYLES = ("pool", "class", "global", "stream", "runner")
+          "inference": InferenceModeEngine, "runner": RunnerEngine, "compile": CompiledEngine}
+SIM_STYLES = ("pool", "class", "global", "stream", "inference", "runner")

@@ -120,6 +120,29 @@ def test_weights_moved_after_capture_are_named():
     r.release()
 
 
+@pytest.mark.parametrize("grad_off", [torch.no_grad, torch.inference_mode])
+def test_intermediates_a_copying_to_makes_are_born_not_reads_freed_since_the_capture(grad_off):
+    """Under torch.inference_mode ``to``, ``reshape`` and ``linear`` reach the watch whole, and ``to`` and
+    ``reshape`` say they return an alias though they copied: their intermediates were taken as storages read
+    from outside, and check_addresses reported each as freed since the capture (a false failure in a
+    correct engine, which the plugin's strict cycle reports). A weight reloaded into new memory is still
+    named."""
+    lin = torch.nn.Linear(8, 8)
+
+    def step(x):
+        h = x.to(torch.float64).reshape(-1, 2, 4).transpose(1, 2).reshape(-1, 8)  # copies, each said to alias
+        return lin(h.to(torch.float32))
+
+    with grad_off():
+        r = runner(step, names=lin)
+        y = r.run(torch.ones(3, 8))
+        assert torch.allclose(y, lin(torch.ones(3, 8)), atol=1e-6)
+    assert r.check_addresses() == []
+    lin.weight.data = torch.randn(8, 8)
+    assert [p.split(":")[0] for p in r.check_addresses(raise_=False)] == ["weight"]
+    r.release()
+
+
 def test_watch_largest_watches_the_largest_capture_of_each_key_only():
     """watch="largest": the shared weights are still known (every batch reads them), a tensor only a smaller
     batch's code path reads is not; watch="each" knows both."""

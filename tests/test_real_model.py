@@ -27,6 +27,7 @@ EXPECTED = {
     ("class", "hold"): ["leaked", "stale"], ("class", "drop"): ["leaked", "stale"],
     ("global", "hold"): ["leaked", "stale"], ("global", "drop"): ["leaked", "stale"],
     ("stream", "hold"): ["held"] * 3, ("stream", "drop"): ["fresh"] * 3,
+    ("inference", "hold"): ["leaked", "held", "held"], ("inference", "drop"): ["leaked", "fresh", "fresh"],
     ("runner", "hold"): ["held"] * 3, ("runner", "drop"): ["fresh"] * 3,
     ("compile", "hold"): ["fresh"] * 3, ("compile", "drop"): ["fresh"] * 3,
 }

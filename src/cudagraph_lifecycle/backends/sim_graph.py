@@ -61,6 +61,25 @@ BLAS_OPS = frozenset({torch.ops.aten.mm.default, torch.ops.aten.addmm.default, t
                       torch.ops.aten.baddbmm.default, torch.ops.aten.mv.default, torch.ops.aten.addmv.default})
 
 
+_COMPOSITE: dict[Any, bool] = {}
+
+
+def split_composite(mode: TorchDispatchMode, func: Any, args: tuple, kwargs: dict) -> Any:
+    """Under ``torch.inference_mode`` an op with only a composite kernel (``linear``, ``matmul``, ``to``,
+    ``reshape``) reaches a dispatch mode whole; with autograd on or off it arrives split into the ops that
+    run (an ``addmm``, a ``_to_copy``). Split it here, inside ``mode``, so the simulation sees the ops CUDA
+    runs in either case (a ``linear`` is a cuBLAS call). NotImplemented: ``func`` is not such an op."""
+    composite = _COMPOSITE.get(func)
+    if composite is None:
+        name = getattr(func, "name", None)
+        composite = _COMPOSITE[func] = callable(name) and hasattr(func, "decompose") and \
+            torch._C._dispatch_has_kernel_for_dispatch_key(name(), "CompositeImplicitAutograd")
+    if not composite:
+        return NotImplemented
+    with mode:
+        return func.decompose(*args, **kwargs)
+
+
 class SimWorld(Protocol):
     """What the objects here use of the simulated world they belong to: a ``SimBackend`` (sim.py, which
     imports this module; they are handed their world, and this module imports nothing of it)."""
@@ -125,6 +144,9 @@ class EagerBlasWatch(TorchDispatchMode):
         self.backend, self.stream = backend, stream
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        split = split_composite(self, func, args, kwargs or {})
+        if split is not NotImplemented:
+            return split
         if func in BLAS_OPS:
             self.backend.library_workspace_for(self.stream.device, self.stream.id, None)
         return func(*args, **(kwargs or {}))
@@ -194,6 +216,9 @@ class _CaptureMode(TorchDispatchMode):
         if func in _HOST_SYNC_OPS:
             g._invalidated = True
             raise RuntimeError(CAPTURE_SYNC_MESSAGE)
+        split = split_composite(self, func, args, kwargs)
+        if split is not NotImplemented:
+            return split
         if func in BLAS_OPS:
             g._backend.library_workspace_for(g._device, g._stream, (g._device, g._pool))
         flat_in = leaves((args, kwargs))

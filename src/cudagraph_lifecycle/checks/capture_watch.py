@@ -68,11 +68,22 @@ def _written(func: Any) -> tuple:
 
 
 def _aliases(func: Any) -> bool:
-    """Does ``func`` return a view of an argument or the argument itself (``slice``, ``view``, ``add_``)? Such an
-    output's storage is the argument's, not one born in the capture. No schema: taken as born (an output
-    wrongly taken as read from outside would be reported as freed once it dies)."""
+    """May ``func`` return a view of an argument or the argument itself (``slice``, ``view``, ``add_``)? Such an
+    output's storage is the argument's, not one born in the capture, unless the op copied: ``to``, ``reshape``
+    and ``contiguous`` say they alias but copy where they must, and under ``torch.inference_mode`` they reach
+    a dispatch mode whole, undecomposed. So the watches look at such an op's outputs' storages. No schema:
+    taken as born (an output wrongly taken as read from outside would be reported as freed once it dies)."""
     schema = getattr(func, "_schema", None)
     return schema is not None and any(r.alias_info is not None for r in schema.returns)
+
+
+def _tensors(items: Any):
+    """The tensors in ``items``, in its lists and tuples too (aten ops pass no dicts)."""
+    for t in items:
+        if isinstance(t, _Tensor):
+            yield t
+        elif isinstance(t, (list, tuple)):
+            yield from _tensors(t)
 
 
 def _op(func: Any) -> tuple[str, Any, tuple, bool]:
@@ -112,6 +123,14 @@ class WriteWatch(TorchDispatchMode):
             for t in out:
                 self._born(t)
 
+    def _born_copies(self, out: Any, args: tuple, kwargs: dict | None) -> None:
+        """An op that may alias an argument: its outputs on a storage none of its arguments has are born."""
+        keys = {_storage_id(t) for t in _tensors((args, tuple(kwargs.values())) if kwargs else args)}
+        for t in _tensors((out,)):
+            key = _storage_id(t)
+            if key not in keys:
+                self.born.add(key)
+
     def _wrote(self, written: tuple, args: tuple, kwargs: dict) -> None:
         for w in written:
             t = kwargs.get(w) if isinstance(w, str) else (args[w] if w < len(args) else None)
@@ -125,8 +144,10 @@ class WriteWatch(TorchDispatchMode):
         if written:
             self._wrote(written, args, kwargs or {})
         out = call(*args, **kwargs) if kwargs else call(*args)
-        if not aliases:  # (a view of an argument, a KV cache's slice, has that argument's storage: not born)
+        if not aliases:
             self._born(out)
+        else:  # (a view of an argument, a KV cache's slice, has that argument's storage: not born)
+            self._born_copies(out, args, kwargs)
         return out
 
 
@@ -199,11 +220,12 @@ class CaptureWatch(WriteWatch):
         except BaseException:
             self._failed(name)
             raise
-        if not aliases:  # (as in WriteWatch; inlined for the common output, one tensor)
-            if isinstance(out, _Tensor):
-                born.add(_storage_id(out))
-            else:
-                self._born(out)
+        if aliases:  # (as in WriteWatch; inlined for the common output, one tensor)
+            self._born_copies(out, args, kwargs)
+        elif isinstance(out, _Tensor):
+            born.add(_storage_id(out))
+        else:
+            self._born(out)
         if self._invalidated is not None:
             self._after(name)
         return out

@@ -4,6 +4,9 @@ and ``LazyPool``'s releases."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from ..backends.base import MiB
@@ -239,17 +242,26 @@ def s_lazy_pool_fresh_after_retire(c: Ctx) -> str:
     return f"new_id={p1 != p2} capture={attempt(lambda: c.step(c.be.new_graph(), p2))}"
 
 
-def _matmul_captured(c: Ctx, warm: bool) -> str:
+def _matmul_captured(c: Ctx, warm: bool, inference: bool = False) -> str:
     """A matmul captured on a new stream into a fresh pool, the stream warmed up first or not; then every graph
-    reset, the output dropped, both caches flushed: is the pool still held, and does a capture into it assert?"""
+    reset, the output dropped, both caches flushed: is the pool still held, and does a capture into it assert?
+    ``inference``: the capture is a ``linear`` under ``torch.inference_mode``, where it reaches a dispatch mode
+    whole (the simulation must still see the matmul in it)."""
     x = c.tensor(N).view(64, 64)
+    if inference:
+        with torch.inference_mode():
+            return _matmul_captured_now(c, x, warm, lambda: torch.nn.functional.linear(x, x))
+    return _matmul_captured_now(c, x, warm, lambda: x @ x)
+
+
+def _matmul_captured_now(c: Ctx, x: Any, warm: bool, matmul: Callable[[], Any]) -> str:
     x @ x  # the cuBLAS handle is made outside any capture (cublasCreate fails inside one: measured)
     if warm:
         with c.be.stream(c.stream):
             x @ x
     h = c.be.graph_pool_handle()
     g = c.be.new_graph()
-    y = c.capture(g, h, lambda: x @ x)
+    y = c.capture(g, h, matmul)
     g.reset()
     del y
     c.be.synchronize()
@@ -262,6 +274,10 @@ def _matmul_captured(c: Ctx, warm: bool) -> str:
 
 def s_workspace_made_in_capture_pins_pool(c: Ctx) -> str:
     return _matmul_captured(c, warm=False)  # the stream's cuBLAS workspace is made inside the capture
+
+
+def s_workspace_made_in_inference_mode_capture_pins_pool(c: Ctx) -> str:
+    return _matmul_captured(c, warm=False, inference=True)
 
 
 def s_workspace_made_before_capture_pins_nothing(c: Ctx) -> str:

@@ -50,6 +50,7 @@ from .scenarios_memory import (
     s_small_outputs_share_one_segment,
     s_workspace_made_before_capture_pins_nothing,
     s_workspace_made_in_capture_pins_pool,
+    s_workspace_made_in_inference_mode_capture_pins_pool,
 )
 from .scenarios_pools import (
     s_capture_without_pool_mints_graph_id,
@@ -146,6 +147,8 @@ SCENARIOS: list[Scenario] = [
     Scenario("autograd_clone_pins_pool", s_autograd_clone_pins_pool, "2MiB->0MiB"),
     Scenario("workspace_made_in_capture_pins_pool", s_workspace_made_in_capture_pins_pool,
              "pinned=True recapture=assert"),
+    Scenario("workspace_made_in_inference_mode_capture_pins_pool",
+             s_workspace_made_in_inference_mode_capture_pins_pool, "pinned=True recapture=assert"),
     Scenario("workspace_made_before_capture_pins_nothing", s_workspace_made_before_capture_pins_nothing,
              "pinned=False recapture=ok"),
     Scenario("no_grad_clone_does_not_pin", s_no_grad_clone_does_not_pin, "0MiB"),
