@@ -340,6 +340,39 @@ def runner_failure_with_and_without_ending_routing():
     return out
 
 
+_WORKSPACE_PIN_PROGRAM_WIDE = """
+import json, os, torch
+os.environ["CUDAGRAPH_SANITIZE"] = "1"  # read at the import below: a program-wide sanitizer, no engine cycle
+from cudagraph_lifecycle.sanitizer import global_sanitizer
+san = global_sanitizer()
+x = torch.randn(64, 64, device="cuda")
+(x @ x).sum().item()  # the cuBLAS handle exists; torch.cuda.graph's own stream has run no matmul yet
+h = torch.cuda.graph_pool_handle()
+g = torch.cuda.CUDAGraph()
+with torch.cuda.graph(g, pool=h):
+    y = x @ x
+g.reset()
+del g, y
+print(json.dumps({"installed": san is not None, "pins": [[(p["cause"], p["bytes"], p["holder"]) for p in f.pins]
+                  for f in san.findings() if f.kind == "pinned_pool"]}), flush=True)
+"""
+
+
+def workspace_pin_named_by_a_program_wide_sanitizer():
+    """In a fresh process with only ``CUDAGRAPH_SANITIZE=1`` (no cycle, so no prewarm measured the
+    workspaces): the first capture on ``torch.cuda.graph``'s own stream leaves cuBLAS's workspace in its
+    pool; the finding must name it ``library_workspace`` (PyTorch's make_graphed_callables test showed it as
+    ``unknown``, a holder the garbage collector does not see)."""
+    import json
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-c", _WORKSPACE_PIN_PROGRAM_WIDE], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
 def runners_by_name_share_one_capture_stream():
     """Two runners built with backend="cuda": one process backend, one capture stream, so the second engine
     adds no per-stream workspaces (reserved growth ~0 once the first has run)."""

@@ -1878,3 +1878,66 @@ def test_a_block_another_holder_keeps_is_found_at_once_with_autograd_and_a_long_
     (p,) = rec["problems"]
     assert "and not only for the output the caller holds: 512 bytes pinned by a tensor (8,) float32 held as an " \
            "item of a list (key `static_outputs` of a dict (global `MODELS` of module test_findings))" in p["message"]
+
+
+class _Books:
+    """The parts of a CUDA backend that measuring cuBLAS's workspaces reads: the default pool's live blocks,
+    streams, and a warm-up whose matmuls leave a 32 MiB and a 1 MiB block on a stream no matmul ran on."""
+
+    def __init__(self):
+        from cudagraph_lifecycle.backends.base import Block
+
+        self.Block = Block
+        self.live = [Block(4096, address=1)]
+        self.warmed: list = []
+        self.streams = 0
+
+    def live_blocks(self, pool, device):
+        return list(self.live)
+
+    def new_stream(self, device):
+        self.streams += 1
+        return f"stream {self.streams}"
+
+    def capture_stream(self, device):
+        return self.__dict__.setdefault("_capture_streams", {}).setdefault(device, self.new_stream(device))
+
+    def _warm(self, device, streams, backward=False, sync=True):
+        self.warmed.append((streams, sync))
+        self.live += [self.Block(32 << 20, address=2), self.Block(1 << 20, address=3)]
+
+
+def _measured(runner_stream: bool = False):
+    from cudagraph_lifecycle.backends.workspaces import MeasuredWorkspaces
+
+    class Books(_Books, MeasuredWorkspaces):
+        pass
+
+    books = Books()
+    if runner_stream:
+        books.capture_stream(0)  # a runner captured on the library's stream: its workspace exists already
+    return books
+
+
+def test_cuda_workspaces_are_measured_when_a_pin_is_named_without_a_cycle(monkeypatch):
+    """A program-wide sanitizer (no engine cycle, so no prewarm) names a cuBLAS workspace pin: the sizes are
+    measured then, once, on a stream no matmul ran on, without a device sync; never while this thread
+    captures (the matmuls would join the capture)."""
+    from cudagraph_lifecycle.backends.base import Block
+
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "the GPU")
+    books = _measured()
+    assert "cuBLAS workspace" in books.library_workspace(Block(32 << 20), 0)
+    assert books.library_workspace(Block(1 << 20), 0) is not None
+    assert books.library_workspace(Block(4096), 0) is None  # a block that was there before
+    assert books.warmed == [(["stream 1"], False)] and books.workspace_bytes(0) == 33 << 20
+    elsewhere = _measured(runner_stream=True)
+    elsewhere.library_workspace(Block(32 << 20), 0)
+    assert elsewhere.warmed == [(["stream 2"], False)]  # a new stream, not the library's used one
+    capturing[0] = True
+    during = _measured()
+    assert during.library_workspace(Block(32 << 20), 0) is None and during.warmed == []
+    capturing[0] = False
+    assert during.library_workspace(Block(32 << 20), 0) is not None  # measured once it can be

@@ -119,6 +119,13 @@ def test_cublas_workspace_allocated_in_capture_pins_the_pool(cudagraph_worker):
     assert pinned > 0
 
 
+def test_a_program_wide_sanitizer_names_a_workspace_pin_without_a_cycle(cudagraph_worker):
+    out = cudagraph_worker.call(gpu_cases.workspace_pin_named_by_a_program_wide_sanitizer)
+    assert out["installed"], out
+    (pins,) = out["pins"]  # one pinned pool, every block of it a workspace
+    assert pins and all(cause == "library_workspace" for cause, _, _ in pins), pins
+    assert "cuBLAS workspace" in pins[0][2] and "cuda:0" in pins[0][2], pins
+
 
 def test_runner_failure_path_with_and_without_ending_the_routing(cudagraph_worker):
     # The fix (the runner ends the allocator's routing after a failed capture, PyTorch #180395) must keep

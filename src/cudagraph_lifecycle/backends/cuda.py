@@ -81,7 +81,7 @@ class CudaBackend(MeasuredWorkspaces, Backend):
             streams.append(default_capture)
         self._warm(device, streams, backward)
 
-    def _warm(self, device: int, streams: list, backward: bool = False) -> None:
+    def _warm(self, device: int, streams: list, backward: bool = False, sync: bool = True) -> None:
         dev = self.torch_device(device)
         for stream in streams:
             with torch.cuda.stream(stream), torch.no_grad():
@@ -93,7 +93,8 @@ class CudaBackend(MeasuredWorkspaces, Backend):
                 with torch.cuda.stream(stream), torch.enable_grad():
                     w = torch.ones(64, 64, device=dev, requires_grad=True)
                     (w @ w).sum().backward()
-        torch.cuda.synchronize(dev)
+        if sync:
+            torch.cuda.synchronize(dev)
 
     # pools
     def graph_pool_handle(self) -> PoolId:

@@ -33,22 +33,39 @@ class MeasuredWorkspaces:
 
     has_library_workspaces = True
 
-    def _measure_workspaces(self, device: int, stream: Any) -> None:
+    def _measure_workspaces(self, device: int, stream: Any, sync: bool = True) -> None:
         """Once a device, from two reads of the books around the first warm-up of ``stream``, before the first
         baseline: nothing of an engine's is there yet."""
         sizes = self.__dict__.setdefault("_workspace_sizes", {})
         if device in sizes:
             return
         before = {b.address for b in self.live_blocks((0, 0), device)}
-        self._warm(device, [stream])
+        self._warm(device, [stream], sync=sync)
         sizes[device] = frozenset(b.size for b in self.live_blocks((0, 0), device) if b.address not in before)
+
+    def _known_sizes(self, device: int) -> frozenset | None:
+        """The workspaces' sizes on ``device``, measured now if no cycle's prewarm did (a program-wide
+        sanitizer naming a pin): on the library's own new stream, so no pool of the caller's changes, and not
+        while this thread captures (nor with a device sync, which another thread's capture forbids)."""
+        sizes = self.__dict__.get("_workspace_sizes", {})
+        if device not in sizes:
+            # a stream no matmul ran on: the library's, unless a runner captured there already
+            fresh = device not in self.__dict__.get("_capture_streams", {})
+            try:
+                if torch.cuda.is_current_stream_capturing():
+                    return None
+                self._measure_workspaces(device, self.capture_stream(device) if fresh else self.new_stream(device),
+                                         sync=False)
+            except RuntimeError:  # naming a pin must never fail what it explains
+                return None
+        return self.__dict__.get("_workspace_sizes", {}).get(device)
 
     def workspace_bytes(self, device: int = 0) -> int | None:
         sizes = self.__dict__.get("_workspace_sizes", {}).get(device)
         return sum(sizes) if sizes else None
 
     def library_workspace(self, block: Block, device: int = 0) -> str | None:
-        sizes = self.__dict__.get("_workspace_sizes", {}).get(device)
+        sizes = self._known_sizes(device)
         if not sizes or block.size not in sizes:
             return None
         # one wording for every such block, so that a pin groups them (cuBLAS's and cuBLASLt's, per stream)
