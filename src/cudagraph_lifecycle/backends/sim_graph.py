@@ -30,12 +30,13 @@ import torch
 
 try:  # what the simulation observes captures with; public names only from torch 2.x on
     from torch.multiprocessing.reductions import StorageWeakRef
+    from torch.overrides import TorchFunctionMode
     from torch.utils._python_dispatch import TorchDispatchMode
 
     _MISSING = None if hasattr(torch.UntypedStorage, "_new_with_weak_ptr") else "UntypedStorage._new_with_weak_ptr"
 except ImportError as e:  # pragma: no cover - older or stripped torch builds
     StorageWeakRef, _MISSING = None, str(e)
-    TorchDispatchMode = object
+    TorchDispatchMode = TorchFunctionMode = object
 
 from ..trees import leaves, map_leaves
 from .base import PoolId
@@ -53,8 +54,45 @@ DEFAULT_STREAM_MESSAGE = (
 REPLAY_MESSAGE = "Called CUDAGraph::replay without a preceding successful capture."
 POOL_MESSAGE = "Called CUDAGraph::pool() without a preceding successful capture."
 
-# Ops that need the host to wait for the device: illegal while a stream is capturing.
-_HOST_SYNC_OPS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default}
+HOST_COPY_MESSAGE = ("Cannot copy between CPU and CUDA tensors during CUDA graph capture unless the CPU tensor is "
+                     "pinned. (simulated)")
+# Ops that need the host to wait for the device: illegal while a stream is capturing, and the capture is
+# invalidated (``nonzero``, ``masked_select`` and a boolean mask's index wait for their output's size:
+# measured on the H100 with torch 2.11, scripts/probes/host_reads.py, GPU run 36)
+_HOST_SYNC_OPS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default,
+                  torch.ops.aten.nonzero.default, torch.ops.aten.masked_select.default}
+_MASK_DTYPES = (torch.bool, torch.uint8)
+
+
+def _host_sync(func: Any, args: tuple) -> bool:
+    if func in _HOST_SYNC_OPS:
+        return True
+    # x[mask]: an index by a boolean tensor
+    return func is torch.ops.aten.index.Tensor and len(args) > 1 and any(
+        isinstance(i, torch.Tensor) and i.dtype in _MASK_DTYPES for i in args[1] or ())
+
+
+class HostReadMode(TorchFunctionMode):
+    """Active with a simulated capture: the host reads a dispatch mode cannot tell from a device op, the
+    simulated device being the host. Copies to host memory (``tolist``, ``cpu``) raise and leave
+    the capture valid; a print waits for the device (its formatting reads values) and invalidates the
+    capture, as on CUDA (scripts/probes/host_reads.py). ``x.to("cpu")`` is not told apart: on ``sim`` the
+    device is ``cpu``."""
+
+    def __init__(self, graph: SimGraph):
+        super().__init__()
+        self.graph = graph
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _HOST_COPIES:
+            raise RuntimeError(HOST_COPY_MESSAGE)
+        if func is torch.Tensor.__repr__:
+            self.graph._invalidated = True
+            raise RuntimeError(CAPTURE_SYNC_MESSAGE)
+        return func(*args, **(kwargs or {}))
+
+
+_HOST_COPIES = (torch.Tensor.tolist, torch.Tensor.cpu)
 # Ops that run through cuBLAS on CUDA: the first one on a (thread, stream) makes that stream's workspace
 # (SimBackend.library_workspace_for), in the capture's pool when it runs inside one.
 BLAS_OPS = frozenset({torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
@@ -213,7 +251,7 @@ class _CaptureMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         g = self.graph
-        if func in _HOST_SYNC_OPS:
+        if _host_sync(func, args):
             g._invalidated = True
             raise RuntimeError(CAPTURE_SYNC_MESSAGE)
         split = split_composite(self, func, args, kwargs)
@@ -259,6 +297,7 @@ class SimGraph:
         self._pool: PoolId | None = None
         self._device: int | None = None
         self._mode: _CaptureMode | None = None
+        self._reads: HostReadMode | None = None
         self._ops: list[_RecordedOp] = []
         self._captured = False  # capture_end ran: the graph holds a pool reference until reset
         self._replayable = False
@@ -295,13 +334,16 @@ class SimGraph:
         self._thread = threading.get_ident()  # a dispatch mode sees its own thread's ops only
         self._mode = _CaptureMode(self)
         self._mode.__enter__()
+        self._reads = HostReadMode(self)
+        self._reads.__enter__()
 
     def capture_end(self) -> None:
         be = self._backend
         if be._capturing is not self:
             raise RuntimeError("capture_end() called without a matching capture_begin() (simulated)")
+        self._reads.__exit__(None, None, None)
         self._mode.__exit__(None, None, None)
-        self._mode = None
+        self._mode = self._reads = None
         be._capturing = None
         if self._invalidated:
             # torch 2.11: the graph never counts as captured, so reset() gives no pool reference back,

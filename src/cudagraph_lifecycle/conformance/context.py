@@ -23,6 +23,8 @@ def classify(e: BaseException) -> str:
         return "assert"
     if TORCH_RANDOM_POISONED in msg:
         return "poisoned"
+    if "Cannot copy between CPU and CUDA tensors during CUDA graph capture" in msg:
+        return "host-copy"
     if "not permitted when stream is capturing" in msg:
         return "capture-sync"
     if "previous error during capture" in msg or "invalidated" in msg:

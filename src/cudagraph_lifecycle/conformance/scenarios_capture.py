@@ -1,5 +1,5 @@
 """Conformance scenarios of captures themselves: streams (the default stream's refusal, the current stream
-per thread), replay after reset, and a capture invalidated by a host sync."""
+per thread), replay after reset, and a capture invalidated by a host sync or refused a copy to host memory."""
 
 from __future__ import annotations
 
@@ -59,14 +59,42 @@ def s_current_stream_is_per_thread(c: Ctx) -> str:
     return f"this thread: {here}, other thread: {other[0]}"
 
 
-def s_host_sync_in_capture(c: Ctx) -> str:
+def _host_read_in_capture(c: Ctx, read) -> str:
+    """A capture whose code reads its result on the host: how the capture ends, then whether eager random ops
+    still work, and the pool's references after ``reset()``."""
     mp = c.be.mempool(0)
     g = c.be.new_graph()
     x = c.tensor()
-    first = attempt(lambda: c.capture(g, mp.id, lambda: (x * 2).sum().item()))
+    first = attempt(lambda: c.capture(g, mp.id, lambda: read(x * 2)))
     g.reset()
     after = attempt(lambda: c.be.randn(4))
     return f"{first} then {after}, use_count={mp.use_count()}"
+
+
+def s_host_sync_in_capture(c: Ctx) -> str:
+    return _host_read_in_capture(c, lambda y: y.sum().item())
+
+
+# The other host reads (measured on the H100, torch 2.11: scripts/probes/host_reads.py): those that wait for
+# the device invalidate the capture as .item() does; a copy to host memory is refused and the capture goes on.
+def s_nonzero_in_capture(c: Ctx) -> str:
+    return _host_read_in_capture(c, lambda y: y.nonzero())
+
+
+def s_bool_mask_in_capture(c: Ctx) -> str:
+    return _host_read_in_capture(c, lambda y: y[y > 0])
+
+
+def s_print_in_capture(c: Ctx) -> str:
+    return _host_read_in_capture(c, lambda y: str(y))
+
+
+def s_tolist_in_capture(c: Ctx) -> str:
+    return _host_read_in_capture(c, lambda y: y.tolist())
+
+
+def s_cpu_copy_in_capture(c: Ctx) -> str:
+    return _host_read_in_capture(c, lambda y: y.cpu())
 
 
 def s_failed_capture_destructor_gives_back(c: Ctx) -> str:

@@ -9,13 +9,18 @@ from dataclasses import dataclass
 
 from .context import Ctx
 from .scenarios_capture import (
+    s_bool_mask_in_capture,
     s_capture_on_default_stream,
+    s_cpu_copy_in_capture,
     s_current_stream_is_per_thread,
     s_default_stream_capture_poisons_random,
     s_failed_capture_destructor_gives_back,
     s_failed_capture_leaves_routing_on,
     s_host_sync_in_capture,
+    s_nonzero_in_capture,
+    s_print_in_capture,
     s_replay_after_reset,
+    s_tolist_in_capture,
 )
 from .scenarios_expandable import (
     EXPANDABLE,
@@ -139,6 +144,11 @@ SCENARIOS: list[Scenario] = [
     Scenario("shared_pool_largest_first_smaller", s_shared_pool_largest_first_smaller, "largest-first<=smallest-first: True"),
     Scenario("separate_pools_not_smaller", s_separate_pools_not_smaller, "shared=2MiB separate=8MiB"),
     Scenario("host_sync_in_capture", s_host_sync_in_capture, "capture-invalidated then poisoned, use_count=2"),
+    Scenario("nonzero_in_capture", s_nonzero_in_capture, "capture-invalidated then poisoned, use_count=2"),
+    Scenario("bool_mask_in_capture", s_bool_mask_in_capture, "capture-invalidated then poisoned, use_count=2"),
+    Scenario("print_in_capture", s_print_in_capture, "capture-invalidated then poisoned, use_count=2"),
+    Scenario("tolist_in_capture", s_tolist_in_capture, "host-copy then ok, use_count=1"),
+    Scenario("cpu_copy_in_capture", s_cpu_copy_in_capture, "host-copy then ok, use_count=1"),
     Scenario("failed_capture_destructor_gives_back", s_failed_capture_destructor_gives_back,
              "after reset 2, after del 2"),
     Scenario("failed_capture_leaves_routing_on", s_failed_capture_leaves_routing_on,
