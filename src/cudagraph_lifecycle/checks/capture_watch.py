@@ -78,7 +78,8 @@ def _aliases(func: Any) -> bool:
 
 
 def _tensors(items: Any):
-    """The tensors in ``items``, in its lists and tuples too (aten ops pass no dicts)."""
+    """The tensors in ``items``, in its lists and tuples too (aten ops pass no dicts: ``trees.leaves``, which
+    also walks dicts and dataclasses, costs more on this path, taken once per captured op)."""
     for t in items:
         if isinstance(t, _Tensor):
             yield t
@@ -117,11 +118,10 @@ class WriteWatch(TorchDispatchMode):
         self.writes: dict[int, Any] = {}  # storage key -> StorageWeakRef
 
     def _born(self, out: Any) -> None:
-        if isinstance(out, _Tensor):
+        if isinstance(out, _Tensor):  # the common output, without a generator
             self.born.add(_storage_id(out))
-        elif isinstance(out, (list, tuple)):
-            for t in out:
-                self._born(t)
+        else:
+            self.born.update(_storage_id(t) for t in _tensors((out,)))
 
     def _born_copies(self, out: Any, args: tuple, kwargs: dict | None) -> None:
         """An op that may alias an argument: its outputs on a storage none of its arguments has are born."""

@@ -4,8 +4,7 @@ and ``LazyPool``'s releases."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+import contextlib
 
 import torch
 
@@ -245,30 +244,24 @@ def s_lazy_pool_fresh_after_retire(c: Ctx) -> str:
 def _matmul_captured(c: Ctx, warm: bool, inference: bool = False) -> str:
     """A matmul captured on a new stream into a fresh pool, the stream warmed up first or not; then every graph
     reset, the output dropped, both caches flushed: is the pool still held, and does a capture into it assert?
-    ``inference``: the capture is a ``linear`` under ``torch.inference_mode``, where it reaches a dispatch mode
-    whole (the simulation must still see the matmul in it)."""
+    ``inference``: all of it under ``torch.inference_mode``, the capture a ``linear``, which reaches a dispatch
+    mode whole there (the simulation must still see the matmul in it)."""
     x = c.tensor(N).view(64, 64)
-    if inference:
-        with torch.inference_mode():
-            return _matmul_captured_now(c, x, warm, lambda: torch.nn.functional.linear(x, x))
-    return _matmul_captured_now(c, x, warm, lambda: x @ x)
-
-
-def _matmul_captured_now(c: Ctx, x: Any, warm: bool, matmul: Callable[[], Any]) -> str:
-    x @ x  # the cuBLAS handle is made outside any capture (cublasCreate fails inside one: measured)
-    if warm:
-        with c.be.stream(c.stream):
-            x @ x
-    h = c.be.graph_pool_handle()
-    g = c.be.new_graph()
-    y = c.capture(g, h, matmul)
-    g.reset()
-    del y
-    c.be.synchronize()
-    c.be.empty_cache()
-    c.be.host_empty_cache()
-    pinned = c.reserved(h) > 0
-    again = attempt(lambda: c.capture(c.be.new_graph(), h, lambda: x * 2))
+    with torch.inference_mode() if inference else contextlib.nullcontext():
+        x @ x  # the cuBLAS handle is made outside any capture (cublasCreate fails inside one: measured)
+        if warm:
+            with c.be.stream(c.stream):
+                x @ x
+        h = c.be.graph_pool_handle()
+        g = c.be.new_graph()
+        y = c.capture(g, h, (lambda: torch.nn.functional.linear(x, x)) if inference else (lambda: x @ x))
+        g.reset()
+        del y
+        c.be.synchronize()
+        c.be.empty_cache()
+        c.be.host_empty_cache()
+        pinned = c.reserved(h) > 0
+        again = attempt(lambda: c.capture(c.be.new_graph(), h, lambda: x * 2))
     return f"pinned={pinned} recapture={again}"
 
 
